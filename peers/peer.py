@@ -1,0 +1,178 @@
+"""swarm-peer: run one peer of a swarm (serve a stage; by default also train)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import sys
+import time
+
+import torch
+
+from peers import runtime
+from peers.server import StageServer
+from peers.trainer import Trainer
+from swarm import __version__
+from swarm.data import TextData
+from swarm.errors import SwarmError
+from swarm.manifest import Manifest, load_manifest
+from swarm.model import build_stage, count_parameters
+from swarm.records import SwarmView
+from swarm.routing import choose_stage_by_throughput
+from swarm.throughput import measure_compute_throughput
+
+logger = logging.getLogger("swarm-peer")
+
+EXAMPLES = """\
+examples:
+  swarm-peer --join examples/demo.json --host-maddrs /ip4/0.0.0.0/tcp/31337
+      start the first peer of a swarm; it prints the addresses others join through
+  swarm-peer --join my-swarm.json
+      join a swarm whose manifest lists initial peers; pick the stage that needs help most
+  swarm-peer --join my-swarm.json --stage 1 --no-trainer --device cuda
+      serve stage 1 on the GPU, without running a trainer
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="swarm-peer",
+        description="Run one peer of a Swarm: join the DHT, serve a pipeline stage and (by default) train.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--join", required=True, metavar="MANIFEST", help="path of the swarm's manifest (JSON)")
+    parser.add_argument("--stage", type=int, default=None, help="serve this stage (default: the one with least throughput)")
+    parser.add_argument(
+        "--trainer", action=argparse.BooleanOptionalAction, default=True, help="also run a trainer (default: yes)"
+    )
+    parser.add_argument(
+        "--host-maddrs", nargs="+", default=None, metavar="MADDR",
+        help="multiaddrs to listen on (default: all interfaces, /ip4/0.0.0.0/tcp/0)",
+    )
+    parser.add_argument(
+        "--announce-maddrs", nargs="+", default=None, metavar="MADDR",
+        help="multiaddrs to tell others (e.g. your public address with an explicit port)",
+    )
+    parser.add_argument("--data", default=None, metavar="PATH", help="train on this text file or folder instead")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="default: auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: never)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the trainer's data order (default: random)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--version", action="version", version=f"swarm {__version__}")
+    args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be at least 1")
+    if args.duration is not None and args.duration <= 0:
+        parser.error("--duration must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runtime.setup_logging(args.log_level)
+    try:
+        manifest = load_manifest(args.join)
+        if args.stage is not None and not 0 <= args.stage < manifest.num_stages:
+            raise SwarmError(f"--stage {args.stage}: the swarm has stages 0..{manifest.num_stages - 1}")
+        device = runtime.resolve_device(args.device)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        # The DHT forks its own process: start it before any thread exists.
+        dht = runtime.start_dht(
+            list(manifest.initial_peers), args.host_maddrs or runtime.ALL_INTERFACES, args.announce_maddrs
+        )
+    except SwarmError as e:
+        print(f"swarm-peer: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(run_peer(args, manifest, dht, device))
+    except SwarmError as e:
+        print(f"swarm-peer: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        dht.shutdown()
+
+
+async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: torch.device) -> int:
+    stop = asyncio.Event()
+    runtime.install_stop_handlers(stop)
+    p2p = await dht.replicate_p2p()
+    peer_id = str(dht.peer_id)
+    print(f"swarm {manifest.name!r} (id {manifest.swarm_id}), peer {peer_id}", flush=True)
+    print("reachable at:", flush=True)
+    for addr in runtime.visible_maddrs(dht):
+        print(f"  {addr}", flush=True)
+
+    server: StageServer | None = None
+    trainer_task: asyncio.Task | None = None
+    try:
+        view = SwarmView(dht, manifest.swarm_id, manifest.num_stages, max_age=0)
+        stage = args.stage if args.stage is not None else await choose_stage(view, manifest)
+        model = build_stage(manifest, stage)
+        throughput = measure_compute_throughput(model.to(device), manifest, device)
+        server = StageServer(manifest, stage, model, device, peer_id, throughput)
+        await server.start(dht, p2p)
+        print(
+            f"serving stage {stage} (layers {model.layers.start}..{model.layers.stop - 1}, "
+            f"{count_parameters(model) / 1e6:.2f}M parameters) on {device}, {throughput:.1f} samples/s",
+            flush=True,
+        )
+
+        trainer = None
+        if args.trainer:
+            shard = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little") % manifest.data.shards
+            data = TextData.load(args.data or manifest.data.source, manifest.data.heldout_fraction, shard, manifest.data.shards)
+            trainer = Trainer(manifest, dht, p2p, peer_id, seed=args.seed, local_server=server)
+            trainer_task = asyncio.create_task(trainer.train(data.train, stop))
+            print(f"training on data shard {shard} ({len(data.train) / 1e6:.1f} MB)", flush=True)
+
+        started = time.monotonic()
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=10)
+            except asyncio.TimeoutError:
+                pass
+            if trainer_task is not None and trainer_task.done():
+                trainer_task.result()  # surface a crash of the trainer
+            if args.duration is not None and time.monotonic() - started >= args.duration:
+                stop.set()
+            print_progress(server, trainer)
+    finally:
+        stop.set()
+        if trainer_task is not None:
+            await asyncio.gather(trainer_task, return_exceptions=True)
+        if server is not None:
+            await server.shutdown()
+        await p2p.shutdown()
+        print("stopped cleanly", flush=True)
+    return 0
+
+
+async def choose_stage(view: SwarmView, manifest: Manifest) -> int:
+    """The stage with the least total announced throughput, after a short random delay (so that peers
+    starting together see each other's choices)."""
+    rng = random.Random()
+    await asyncio.sleep(rng.uniform(0, 1.5))
+    stages = await view.all_stages(force=True)
+    totals = [sum(a.throughput for a in anns if a.state in ("joining", "online")) for anns in stages]
+    stage = choose_stage_by_throughput(totals, rng)
+    logger.info(f"announced throughput per stage: {[round(t, 1) for t in totals]}; choosing stage {stage}")
+    return stage
+
+
+def print_progress(server: StageServer, trainer: Trainer | None) -> None:
+    status = {"stage": server.stage, "samples_served": server.samples_served, "optimizer_steps": server.optimizer_steps}
+    if trainer is not None:
+        loss, speed = trainer.recent_stats()
+        status.update(trainer_loss=round(loss, 4), trainer_samples_per_second=round(speed, 2), trainer_samples=trainer.samples)
+    print(json.dumps(status), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Shared plumbing of the programs: logging, devices, starting a DHT with clear errors, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import torch
+from hivemind import DHT
+
+from swarm.errors import PeerStartError
+
+ALL_INTERFACES = ["/ip4/0.0.0.0/tcp/0"]
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise PeerStartError("--device cuda was asked for, but torch sees no CUDA GPU; use --device auto or cpu")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise PeerStartError("--device mps was asked for, but this torch has no MPS support; use --device auto or cpu")
+    return torch.device(name)
+
+
+def start_dht(
+    initial_peers: list[str],
+    host_maddrs: list[str],
+    announce_maddrs: list[str] | None = None,
+    client_mode: bool = False,
+    startup_timeout: float = 20.0,
+) -> DHT:
+    """Start a hivemind DHT node (its own process and p2pd daemon), turning failures into PeerStartError."""
+    for addrs, flag in ((host_maddrs, "--host-maddrs"), (announce_maddrs or [], "--announce-maddrs")):
+        try:
+            validate_multiaddrs_without_peer(addrs)
+        except ValueError as e:
+            raise PeerStartError(f"{flag}: {e}") from None
+    try:
+        return DHT(
+            initial_peers=list(initial_peers),
+            start=True,
+            host_maddrs=host_maddrs,
+            announce_maddrs=announce_maddrs or None,
+            client_mode=client_mode,
+            startup_timeout=startup_timeout,
+        )
+    except Exception as e:
+        hint = (
+            "none of the manifest's initial peers could be reached; check that they are running and that "
+            "their addresses are reachable from here"
+            if initial_peers
+            else "the DHT daemon did not start"
+        )
+        raise PeerStartError(f"could not join the DHT: {hint} ({type(e).__name__}: {e})") from None
+
+
+def validate_multiaddrs_without_peer(values: list[str]) -> None:
+    from multiaddr import Multiaddr
+
+    for value in values:
+        try:
+            Multiaddr(value)
+        except Exception as e:
+            raise ValueError(f"{value!r} is not a valid multiaddr ({e})") from None
+
+
+def visible_maddrs(dht: DHT) -> list[str]:
+    """Multiaddrs other peers can dial, loopback and wildcard addresses last."""
+    addrs = [str(a) for a in dht.get_visible_maddrs()]
+    return sorted(addrs, key=lambda a: ("/127.0.0.1/" in a or "/::1/" in a, a))
+
+
+def install_stop_handlers(stop: asyncio.Event) -> None:
+    """Ctrl-C and SIGTERM set `stop`, so that the program shuts down cleanly."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+__all__ = [
+    "ALL_INTERFACES",
+    "LOOPBACK",
+    "install_stop_handlers",
+    "resolve_device",
+    "setup_logging",
+    "start_dht",
+    "validate_multiaddrs_without_peer",
+    "visible_maddrs",
+]

@@ -1,0 +1,349 @@
+"""StageServer: serves forward and backward of one pipeline stage over hivemind P2P.
+
+Why our own ServicerBase and not hivemind.moe (see docs/ARCHITECTURE.md): we validate every request before it
+touches the model, keep each forward's activations so that backward does not recompute them, accumulate
+gradients over `microbatches_per_step` backward passes before a local optimizer step, and answer bad
+requests with an error reply instead of an exception.
+
+All model work runs in one worker thread, so requests never race on the weights, and the event loop stays
+free to receive requests and to announce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from hivemind import DHT
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from swarm import protocol
+from swarm.errors import BadRequestError
+from swarm.manifest import Manifest
+from swarm.model import StageModel
+from swarm.records import Announcement, store_announcement
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "swarm"
+MAX_PENDING_REQUESTS = 64
+ACTIVATION_CACHE_BYTES = 1 << 30
+
+
+class UnknownMicrobatchError(Exception):
+    """Backward for a microbatch whose forward is not cached here, sent without inputs to recompute it."""
+
+
+@dataclass
+class _CachedForward:
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    weights_version: int
+    created: float
+
+
+class StageServer(ServicerBase):
+    def __init__(
+        self,
+        manifest: Manifest,
+        stage: int,
+        model: StageModel,
+        device: torch.device,
+        peer_id: str,
+        throughput: float,
+    ):
+        self.manifest = manifest
+        self.stage = stage
+        self.model = model.to(device)
+        self.device = device
+        self.peer_id = peer_id
+        self.throughput = throughput
+        self.first = stage == 0
+        self.last = stage == manifest.num_stages - 1
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = _make_optimizer(manifest, self.params)
+        self.max_elements = protocol.max_request_elements(manifest)
+        self.max_message_bytes = 2 * self.max_elements * 8 + 65536
+
+        # mutable state, touched only in the worker thread (except the counters read for announcements)
+        self.weights_version = 0  # bumps on every optimizer step
+        self.backward_passes = 0  # since the last optimizer step
+        self.optimizer_steps = 0
+        self.samples_served = 0
+        self.bad_requests = 0
+        self._cache: OrderedDict[tuple[str, str], _CachedForward] = OrderedDict()
+        self._max_cached = max(8, ACTIVATION_CACHE_BYTES // _activation_bytes_estimate(manifest, stage))
+
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}")
+        self._pending = 0
+        self.state = "joining"
+        self._dht: DHT | None = None
+        self._p2p: P2P | None = None
+        self._announce_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self, dht: DHT, p2p: P2P) -> None:
+        """Register the RPC handlers, then announce online and keep announcing in the background."""
+        self._dht, self._p2p = dht, p2p
+        await self.announce()
+        await self.add_p2p_handlers(p2p, namespace=NAMESPACE)
+        self.state = "online"
+        await self.announce()
+        self._announce_task = asyncio.create_task(self._announce_forever())
+        logger.info(f"serving stage {self.stage} (layers {list(self.model.layers)}) as {self.peer_id}")
+
+    async def shutdown(self) -> None:
+        """Announce offline, stop taking requests, finish the work in flight."""
+        self.state = "offline"
+        if self._announce_task is not None:
+            self._announce_task.cancel()
+        try:
+            await asyncio.wait_for(self.announce(), timeout=5)
+        except Exception as e:  # shutting down anyway; the record will expire
+            logger.warning(f"could not announce offline: {e!r}")
+        if self._p2p is not None:
+            try:
+                await self.remove_p2p_handlers(self._p2p, namespace=NAMESPACE)
+            except Exception as e:
+                logger.debug(f"removing handlers failed: {e!r}")
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+
+    def announcement(self) -> Announcement:
+        return Announcement(
+            peer_id=self.peer_id,
+            stage=self.stage,
+            state=self.state,
+            throughput=self.throughput,
+            samples_served=self.samples_served,
+            device=str(self.device),
+        )
+
+    async def announce(self) -> None:
+        period = self.manifest.network.announce_period
+        lifetime = 3 * period if self.state != "offline" else period
+        await store_announcement(self._dht, self.manifest.swarm_id, self.announcement(), lifetime)
+
+    async def _announce_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.manifest.network.announce_period)
+            try:
+                await self.announce()
+            except Exception as e:  # a missed refresh is not fatal: the next one may succeed
+                logger.warning(f"announcement failed: {e!r}")
+
+    # ---------------------------------------------------------------------------------------- RPC handlers
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self.handle("forward", request, str(context.remote_id))
+
+    async def rpc_backward(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        return await self.handle("backward", request, str(context.remote_id))
+
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        for part in protocol.split_message(await self._handle_stream("forward", requests, context)):
+            yield part
+
+    async def rpc_backward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        for part in protocol.split_message(await self._handle_stream("backward", requests, context)):
+            yield part
+
+    async def _handle_stream(
+        self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        try:
+            request = await protocol.combine_message(requests, runtime_pb2.ExpertRequest, self.max_message_bytes)
+        except BadRequestError as e:
+            self.bad_requests += 1
+            return protocol.make_error_reply(str(e), "bad_request")
+        return await self.handle(kind, request, str(context.remote_id))
+
+    async def handle(self, kind: str, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
+        """Process one request; also called directly by this peer's own trainer (libp2p cannot dial itself)."""
+        if self.state != "online":
+            return protocol.make_error_reply(f"this peer is {self.state}; try another peer", "busy")
+        if self._pending >= MAX_PENDING_REQUESTS:
+            return protocol.make_error_reply("too many requests in flight; try another peer", "busy")
+        self._pending += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, self._process, kind, request, caller)
+        finally:
+            self._pending -= 1
+
+    # ---------------------------------------------------------------------------- work (worker thread only)
+
+    def _process(self, kind: str, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
+        try:
+            req = protocol.decode_request(kind, request, self.manifest, self.max_elements)
+            outputs = self._forward(req, caller) if kind == "forward" else self._backward(req, caller)
+            return protocol.make_reply(outputs, self.manifest.training.activation_compression)
+        except BadRequestError as e:
+            self.bad_requests += 1
+            logger.info(f"bad {kind} request from {caller[-8:]}: {e}")
+            return protocol.make_error_reply(str(e), "bad_request")
+        except UnknownMicrobatchError as e:
+            return protocol.make_error_reply(str(e), "unknown_microbatch")
+        except Exception as e:  # a bug or a device error: report it, keep serving
+            logger.exception(f"{kind} failed")
+            return protocol.make_error_reply(f"internal error on the stage peer: {type(e).__name__}: {e}", "internal")
+
+    def _forward(self, req: protocol.StageRequest, caller: str) -> list[torch.Tensor]:
+        expected = 2 if self.last else 1
+        if len(req.tensors) != expected:
+            what = "[inputs, targets]" if self.last else "[inputs]"
+            raise BadRequestError(f"forward of stage {self.stage} takes {what}, got {len(req.tensors)} tensors")
+        inputs = req.tensors[0]
+        protocol.check_inputs(inputs, self.manifest, self.stage)
+        if self.last:
+            protocol.check_targets(req.tensors[1], inputs, self.manifest.model.vocab_size)
+        x = inputs.to(self.device)
+
+        if not req.train:
+            with torch.no_grad():
+                out = self.model(x)
+                if self.last:
+                    return [StageModel.loss(out, req.tensors[1].to(self.device)).float().cpu()]
+                return [out.float().cpu()]
+
+        if not self.first:
+            x.requires_grad_(True)
+        out = self.model(x)
+        if self.last:  # the last stage runs backward at once and returns the gradient of its inputs
+            loss = StageModel.loss(out, req.tensors[1].to(self.device))
+            grads = self._gradients(loss, x, None)
+            self.samples_served += inputs.shape[0]
+            result = [loss.detach().float().cpu()]
+            return result if self.first else result + [grads.cpu()]
+        self._remember(caller, req.microbatch_id, x, out)
+        return [out.detach().float().cpu()]
+
+    def _backward(self, req: protocol.StageRequest, caller: str) -> list[torch.Tensor]:
+        if self.last:
+            raise BadRequestError("the last stage runs backward within forward; do not send it backward")
+        if len(req.tensors) not in (1, 2):
+            raise BadRequestError(f"backward takes [grad_outputs] or [grad_outputs, inputs], got {len(req.tensors)}")
+        grad = req.tensors[0]
+        cached = self._cache.pop((caller, req.microbatch_id), None)
+        if cached is not None and cached.weights_version == self.weights_version:
+            protocol.check_grad(grad, tuple(cached.outputs.shape))
+            x, out = cached.inputs, cached.outputs
+        else:
+            # No usable activations: recompute forward with the current weights (after an optimizer step,
+            # or on a peer that did not run this microbatch's forward).
+            if cached is not None:
+                inputs = cached.inputs.detach()
+            elif len(req.tensors) == 2:
+                inputs = req.tensors[1]
+                protocol.check_inputs(inputs, self.manifest, self.stage)
+            else:
+                raise UnknownMicrobatchError(
+                    f"no forward of microbatch {req.microbatch_id} is cached here; resend backward with its inputs"
+                )
+            batch, length = inputs.shape[:2]
+            protocol.check_grad(grad, (batch, length, self.manifest.model.width))
+            x = inputs.to(self.device)
+            if not self.first:
+                x.requires_grad_(True)
+            out = self.model(x)
+        grad_inputs = self._gradients(out, x, grad.to(self.device))
+        self.samples_served += x.shape[0]
+        return [] if self.first else [grad_inputs.cpu()]
+
+    def _gradients(self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+        """Gradients of the stage's parameters (accumulated) and of its input (returned).
+
+        Gradients are computed into new tensors and checked before they touch the accumulators, so a request
+        that produces NaN or Inf never changes the weights.
+        """
+        wrt = self.params + ([] if self.first else [x])
+        grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
+        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+            raise BadRequestError("the request produced non-finite gradients; it was not applied")
+        scale = 1.0 / self.manifest.training.microbatches_per_step
+        for param, g in zip(self.params, grads[: len(self.params)]):
+            if g is None:
+                continue
+            if param.grad is None:
+                param.grad = g * scale
+            else:
+                param.grad.add_(g, alpha=scale)
+        self.backward_passes += 1
+        if self.backward_passes >= self.manifest.training.microbatches_per_step:
+            self._optimizer_step()
+        return None if self.first else grads[-1]
+
+    def _optimizer_step(self) -> None:
+        if self.manifest.training.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.manifest.training.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.backward_passes = 0
+        self.optimizer_steps += 1
+        self.weights_version += 1
+
+    def _remember(self, caller: str, microbatch_id: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        now = time.monotonic()
+        self._cache[(caller, microbatch_id)] = _CachedForward(x, out, self.weights_version, now)
+        max_age = self.manifest.training.timeouts.backward + self.manifest.training.timeouts.forward
+        while self._cache:
+            oldest = next(iter(self._cache.values()))
+            if len(self._cache) > self._max_cached or now - oldest.created > max_age:
+                self._cache.popitem(last=False)
+            else:
+                break
+
+    def run_in_worker(self, fn, *args):
+        """Run fn in the worker thread (the only thread that touches the model); returns an awaitable."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+def _make_optimizer(manifest: Manifest, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    training = manifest.training
+    if training.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=training.learning_rate, weight_decay=training.weight_decay)
+    return torch.optim.AdamW(params, lr=training.learning_rate, weight_decay=training.weight_decay)
+
+
+def _activation_bytes_estimate(manifest: Manifest, stage: int) -> int:
+    """Rough memory of one cached forward: about 20 float activations of [batch, length, width] per layer."""
+    config, training = manifest.model, manifest.training
+    per_layer = 20 * training.microbatch_size * config.context_length * config.width * 4
+    return per_layer * max(1, len(manifest.stage_layers(stage)))
+
+
+async def call_stage(
+    p2p: P2P,
+    peer_id: str,
+    kind: str,
+    request: runtime_pb2.ExpertRequest,
+    timeout: float,
+    reply_elements: int,
+) -> runtime_pb2.ExpertResponse:
+    """Send one forward or backward request to a stage peer: unary when it fits, by stream otherwise."""
+    stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+    if not protocol.needs_stream(request.ByteSize(), reply_elements):
+        return await getattr(stub, f"rpc_{kind}")(request, timeout=timeout)
+
+    async def exchange() -> runtime_pb2.ExpertResponse:
+        async def parts():
+            for part in protocol.split_message(request):
+                yield part
+
+        replies = await getattr(stub, f"rpc_{kind}_stream")(parts())
+        return await protocol.combine_message(replies, runtime_pb2.ExpertResponse, 1 << 40)
+
+    return await asyncio.wait_for(exchange(), timeout=timeout)

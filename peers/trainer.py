@@ -1,0 +1,262 @@
+"""Trainer: reads its data shard, pushes microbatches through one peer per stage and back.
+
+For each microbatch and each stage the trainer picks an online peer (weighted by announced throughput),
+keeps the stage inputs it needs for backward, and sends backward to the peer that ran forward (which still
+holds the activations). If a peer fails or times out, that stage is retried on another peer, the inputs are
+re-sent so that it can recompute forward, and the failed peer is banned for a while. Several microbatches
+are in flight at once, so the stages work in parallel. Nothing waits forever: every call has a timeout and
+every microbatch a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+from hivemind.p2p import P2P
+
+from peers.server import StageServer, call_stage
+from swarm import protocol
+from swarm.data import sample_batch
+from swarm.errors import MicrobatchFailedError, RemoteStageError
+from swarm.manifest import Manifest
+from swarm.records import SwarmView, TrainerReport, store_trainer_report
+from swarm.routing import choose_peer, online_peers
+
+logger = logging.getLogger(__name__)
+
+BAN_SECONDS = 10.0
+NO_PEER_WAIT = 0.5
+REPORT_WINDOW = 30.0
+
+
+@dataclass
+class _Hop:
+    peer_id: str
+    inputs: torch.Tensor
+
+
+class Trainer:
+    def __init__(
+        self,
+        manifest: Manifest,
+        dht: DHT,
+        p2p: P2P,
+        peer_id: str,
+        seed: int | None = None,
+        local_server: StageServer | None = None,
+    ):
+        self.manifest = manifest
+        self.local_server = local_server  # this peer's own stage server: called directly, not over the network
+        self.dht, self.p2p, self.peer_id = dht, p2p, peer_id
+        self.view = SwarmView(dht, manifest.swarm_id, manifest.num_stages, max_age=manifest.network.announce_period)
+        self.rng = random.Random(seed)
+        self.max_elements = protocol.max_request_elements(manifest)
+        self.banned_until: dict[str, float] = {}
+        self.samples = 0
+        self.microbatches = 0
+        self.failed_microbatches = 0
+        self.recent: collections.deque[tuple[float, float, int]] = collections.deque()  # (time, loss, samples)
+
+    # ------------------------------------------------------------------------------------------- training
+
+    async def train(self, tokens: np.ndarray, stop: asyncio.Event, max_samples: int | None = None) -> None:
+        """Train on random windows of `tokens` until `stop` is set (or max_samples are done)."""
+        training = self.manifest.training
+        data_rng = np.random.default_rng(self.rng.getrandbits(64))
+        reporter = asyncio.create_task(self._report_forever())
+        tasks: set[asyncio.Task] = set()
+        try:
+            while not stop.is_set() and (max_samples is None or self.samples < max_samples):
+                while len(tasks) < training.max_in_flight:
+                    batch = sample_batch(tokens, training.microbatch_size, self.manifest.model.context_length, data_rng)
+                    tasks.add(asyncio.create_task(self._train_microbatch(*batch)))
+                done, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    self._collect(task)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            reporter.cancel()
+            await asyncio.gather(reporter, return_exceptions=True)
+
+    def _collect(self, task: asyncio.Task) -> None:
+        try:
+            loss, samples = task.result()
+        except MicrobatchFailedError as e:
+            self.failed_microbatches += 1
+            logger.warning(f"microbatch dropped: {e}")
+            return
+        except Exception:
+            self.failed_microbatches += 1
+            logger.exception("microbatch failed unexpectedly")
+            return
+        self.samples += samples
+        self.microbatches += 1
+        self.recent.append((time.monotonic(), loss, samples))
+
+    async def _train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        microbatch_id = uuid.uuid4().hex
+        deadline = time.monotonic() + self.manifest.training.timeouts.microbatch
+        last = self.manifest.num_stages - 1
+        hops: list[_Hop] = []
+        x = inputs
+        for stage in range(last):
+            peer_id, (x_next,) = await self._call(stage, "forward", microbatch_id, [x], deadline, expect=1)
+            hops.append(_Hop(peer_id, x))
+            x = x_next
+        _, outputs = await self._call(last, "forward", microbatch_id, [x, targets], deadline, expect=2 if last else 1)
+        loss = float(outputs[0])
+        grad = outputs[1] if last else None
+        for stage in reversed(range(last)):
+            hop = hops[stage]
+            expect = 0 if stage == 0 else 1
+            try:  # the peer that ran forward still holds the activations: send only the gradient
+                outputs = await self._call_peer(hop.peer_id, stage, "backward", microbatch_id, [grad], expect, deadline)
+            except Exception as e:
+                logger.debug(f"backward on {hop.peer_id[-8:]} failed ({e!r}); recomputing elsewhere")
+                _, outputs = await self._call(
+                    stage, "backward", microbatch_id, [grad, hop.inputs], deadline, expect=expect, prefer=hop.peer_id
+                )
+            grad = outputs[0] if expect else None
+        return loss, inputs.shape[0]
+
+    # ---------------------------------------------------------------------------------------- evaluation
+
+    async def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]], timeout: float = 120.0) -> float:
+        """Mean loss of the swarm's current model on the given batches (forward only, nothing is trained)."""
+        deadline = time.monotonic() + timeout
+        semaphore = asyncio.Semaphore(self.manifest.training.max_in_flight)
+
+        async def one(inputs: torch.Tensor, targets: torch.Tensor) -> float:
+            async with semaphore:
+                microbatch_id = uuid.uuid4().hex
+                last = self.manifest.num_stages - 1
+                x = inputs
+                for stage in range(last):
+                    _, (x,) = await self._call(stage, "forward", microbatch_id, [x], deadline, expect=1, train=False)
+                _, (loss,) = await self._call(
+                    last, "forward", microbatch_id, [x, targets], deadline, expect=1, train=False
+                )
+                return float(loss)
+
+        losses = await asyncio.gather(*[one(*batch) for batch in batches])
+        return float(np.mean(losses))
+
+    # ---------------------------------------------------------------------------------------------- calls
+
+    async def _call(
+        self,
+        stage: int,
+        kind: str,
+        microbatch_id: str,
+        tensors: list[torch.Tensor],
+        deadline: float,
+        expect: int,
+        train: bool = True,
+        prefer: str | None = None,
+    ) -> tuple[str, list[torch.Tensor]]:
+        """Call some online peer of `stage`, retrying on other peers until the deadline."""
+        tried: set[str] = set()
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            peer_id = prefer if prefer is not None and prefer not in tried else await self._pick(stage, tried)
+            if peer_id is None:
+                tried.clear()  # every peer failed once: let them be tried again after a pause
+                await asyncio.sleep(NO_PEER_WAIT)
+                continue
+            tried.add(peer_id)
+            try:
+                return peer_id, await self._call_peer(peer_id, stage, kind, microbatch_id, tensors, expect, deadline, train)
+            except RemoteStageError as e:
+                last_error = e
+                if e.code != "busy":
+                    self._ban(peer_id, f"{kind} on stage {stage}: {e}")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # timeouts, connection errors, malformed replies
+                last_error = e
+                self._ban(peer_id, f"{kind} on stage {stage} failed: {type(e).__name__}: {e}")
+        raise MicrobatchFailedError(f"stage {stage} {kind} did not succeed before the deadline (last error: {last_error!r})")
+
+    async def _call_peer(
+        self,
+        peer_id: str,
+        stage: int,
+        kind: str,
+        microbatch_id: str,
+        tensors: list[torch.Tensor],
+        expect: int,
+        deadline: float,
+        train: bool = True,
+    ) -> list[torch.Tensor]:
+        timeouts = self.manifest.training.timeouts
+        timeout = min(timeouts.forward if kind == "forward" else timeouts.backward, max(deadline - time.monotonic(), 0.1))
+        request = protocol.make_request(self.manifest, microbatch_id, tensors, train=train)
+        batch, length = tensors[0].shape[:2]
+        reply_elements = batch * length * self.manifest.model.width
+        if self.local_server is not None and peer_id == self.peer_id:
+            reply = await asyncio.wait_for(self.local_server.handle(kind, request, self.peer_id), timeout)
+        else:
+            reply = await call_stage(self.p2p, peer_id, kind, request, timeout, reply_elements)
+        outputs = protocol.decode_reply(reply, self.max_elements)
+        if len(outputs) != expect:
+            raise RemoteStageError(f"expected {expect} tensors in the reply, got {len(outputs)}", "internal")
+        for tensor in outputs:
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise RemoteStageError("the reply contains NaN or Inf", "internal")
+        return outputs
+
+    async def _pick(self, stage: int, tried: set[str]) -> str | None:
+        now = get_dht_time()
+        exclude = tried | {p for p, until in self.banned_until.items() if until > time.monotonic()}
+        candidates = online_peers(await self.view.stage(stage), now)
+        chosen = choose_peer(candidates, self.rng, exclude)
+        if chosen is None and len([c for c in candidates if c.peer_id not in tried]) == 0:
+            candidates = online_peers(await self.view.stage(stage, force=True), now)
+            chosen = choose_peer(candidates, self.rng, exclude)
+        return None if chosen is None else chosen.peer_id
+
+    def _ban(self, peer_id: str, reason: str) -> None:
+        logger.info(f"banning peer {peer_id[-8:]} for {BAN_SECONDS:.0f}s: {reason}")
+        self.banned_until[peer_id] = time.monotonic() + BAN_SECONDS
+
+    # ------------------------------------------------------------------------------------------- reports
+
+    def recent_stats(self) -> tuple[float, float]:
+        """(mean loss, samples per second) over the last REPORT_WINDOW seconds."""
+        now = time.monotonic()
+        while self.recent and now - self.recent[0][0] > REPORT_WINDOW:
+            self.recent.popleft()
+        if not self.recent:
+            return float("nan"), 0.0
+        loss = float(np.mean([r[1] for r in self.recent]))
+        span = max(now - self.recent[0][0], 1.0)
+        return loss, sum(r[2] for r in self.recent) / span
+
+    async def _report_forever(self) -> None:
+        period = self.manifest.network.announce_period
+        while True:
+            await asyncio.sleep(period)
+            loss, speed = self.recent_stats()
+            report = TrainerReport(
+                peer_id=self.peer_id,
+                loss=loss,
+                samples_per_second=speed,
+                samples=self.samples,
+                failed_microbatches=self.failed_microbatches,
+            )
+            try:
+                await store_trainer_report(self.dht, self.manifest.swarm_id, report, 3 * period)
+            except Exception as e:
+                logger.warning(f"trainer report failed: {e!r}")

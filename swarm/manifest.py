@@ -1,0 +1,354 @@
+"""The manifest: a JSON document that defines a swarm.
+
+A manifest holds the model config, the stages (layer range of each), the training settings, the data
+source and the initial peers. It is validated on load: every problem is reported as a ManifestError that
+names the field. The swarm id is a hash of the canonical manifest *without* its initial peers, so the same
+swarm can be published with different bootstrap addresses, while any change of settings makes a new swarm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from multiaddr import Multiaddr
+
+from swarm import PROTOCOL_VERSION
+from swarm.errors import ManifestError
+
+OPTIMIZERS = ("adamw", "sgd")
+ACTIVATION_COMPRESSIONS = ("float32", "float16")
+MAX_MANIFEST_BYTES = 1_000_000
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    width: int = 128
+    depth: int = 4
+    heads: int = 4
+    context_length: int = 128
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    forward: float = 30.0
+    backward: float = 60.0
+    microbatch: float = 300.0
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    microbatch_size: int = 16
+    microbatches_per_step: int = 4
+    optimizer: str = "adamw"
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    max_in_flight: int = 4
+    activation_compression: str = "float32"
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"
+    heldout_fraction: float = 0.05
+    shards: int = 8
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    announce_period: float = 5.0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    model: ModelConfig
+    stages: tuple[tuple[int, int], ...]
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    initial_peers: tuple[str, ...] = ()
+    protocol_version: int = PROTOCOL_VERSION
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_layers(self, stage: int) -> range:
+        start, end = self.stages[stage]
+        return range(start, end)
+
+    def to_dict(self, with_peers: bool = True) -> dict[str, Any]:
+        """The canonical JSON-compatible form (stages written out explicitly)."""
+        result = {
+            "name": self.name,
+            "protocol_version": self.protocol_version,
+            "model": dataclasses.asdict(self.model),
+            "stages": {"count": self.num_stages, "layers": [list(r) for r in self.stages]},
+            "training": dataclasses.asdict(self.training),
+            "data": dataclasses.asdict(self.data),
+            "network": dataclasses.asdict(self.network),
+        }
+        if with_peers:
+            result["initial_peers"] = list(self.initial_peers)
+        return result
+
+    @property
+    def swarm_id(self) -> str:
+        """Hash of the canonical manifest without initial peers: prefixes every DHT key of this swarm."""
+        canonical = json.dumps(self.to_dict(with_peers=False), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def with_initial_peers(self, peers: list[str]) -> Manifest:
+        return dataclasses.replace(self, initial_peers=tuple(validate_multiaddrs(peers, "initial_peers")))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read and validate a manifest file."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES} bytes; is it really a manifest?")
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ManifestError(f"manifest file {path} does not exist; pass the path or URL of a swarm manifest") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ManifestError(f"cannot read manifest {path}: {e}") from None
+    return parse_manifest(text, origin=str(path))
+
+
+def parse_manifest(text: str, origin: str = "manifest") -> Manifest:
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{origin} is not valid JSON: {e}") from None
+    return manifest_from_dict(raw)
+
+
+def manifest_from_dict(raw: Any) -> Manifest:
+    """Validate a decoded manifest; raise ManifestError naming the first bad field."""
+    obj = _Fields(raw, "manifest")
+    version = obj.integer("protocol_version", default=PROTOCOL_VERSION, minimum=1)
+    if version != PROTOCOL_VERSION:
+        raise ManifestError(
+            f"manifest field 'protocol_version': this Swarm speaks protocol {PROTOCOL_VERSION}, the manifest "
+            f"asks for {version}; upgrade or downgrade swarm to match the swarm you are joining"
+        )
+    name = obj.string("name")
+
+    m = obj.section("model")
+    model = ModelConfig(
+        vocab_size=m.integer("vocab_size", default=256, minimum=2, maximum=1_000_000),
+        width=m.integer("width", minimum=1, maximum=65536),
+        depth=m.integer("depth", minimum=1, maximum=1024),
+        heads=m.integer("heads", minimum=1, maximum=1024),
+        context_length=m.integer("context_length", minimum=1, maximum=1_000_000),
+        seed=m.integer("seed", default=0, minimum=0, maximum=2**63 - 1),
+    )
+    m.no_unknown()
+    if model.width % model.heads != 0:
+        raise ManifestError(
+            f"manifest field 'model.heads': width {model.width} must be divisible by heads {model.heads}"
+        )
+
+    stages = _parse_stages(obj.section("stages"), model.depth)
+
+    t = obj.section("training", optional=True)
+    tt = t.section("timeouts", optional=True)
+    timeouts = Timeouts(
+        forward=tt.number("forward", default=Timeouts.forward, minimum=0.1),
+        backward=tt.number("backward", default=Timeouts.backward, minimum=0.1),
+        microbatch=tt.number("microbatch", default=Timeouts.microbatch, minimum=0.1),
+    )
+    tt.no_unknown()
+    training = TrainingConfig(
+        microbatch_size=t.integer("microbatch_size", default=16, minimum=1, maximum=65536),
+        microbatches_per_step=t.integer("microbatches_per_step", default=4, minimum=1, maximum=1_000_000),
+        optimizer=t.choice("optimizer", OPTIMIZERS, default="adamw"),
+        learning_rate=t.number("learning_rate", default=1e-3, minimum=0.0, maximum=100.0),
+        weight_decay=t.number("weight_decay", default=0.01, minimum=0.0, maximum=100.0),
+        max_grad_norm=t.number("max_grad_norm", default=1.0, minimum=0.0),
+        max_in_flight=t.integer("max_in_flight", default=4, minimum=1, maximum=1024),
+        activation_compression=t.choice("activation_compression", ACTIVATION_COMPRESSIONS, default="float32"),
+        timeouts=timeouts,
+    )
+    t.no_unknown()
+
+    d = obj.section("data", optional=True)
+    data = DataConfig(
+        source=d.string("source", default="stdlib"),
+        heldout_fraction=d.number("heldout_fraction", default=0.05, minimum=0.001, maximum=0.5),
+        shards=d.integer("shards", default=8, minimum=1, maximum=100_000),
+    )
+    d.no_unknown()
+
+    n = obj.section("network", optional=True)
+    network = NetworkConfig(announce_period=n.number("announce_period", default=5.0, minimum=0.2, maximum=3600.0))
+    n.no_unknown()
+
+    peers = obj.get("initial_peers", default=[])
+    if not isinstance(peers, list):
+        raise ManifestError("manifest field 'initial_peers': must be a list of multiaddr strings")
+    initial_peers = tuple(validate_multiaddrs(peers, "initial_peers"))
+    obj.no_unknown()
+    return Manifest(
+        name=name,
+        model=model,
+        stages=stages,
+        training=training,
+        data=data,
+        network=network,
+        initial_peers=initial_peers,
+        protocol_version=version,
+    )
+
+
+def even_stages(depth: int, count: int) -> tuple[tuple[int, int], ...]:
+    """Split `depth` layers into `count` contiguous ranges whose sizes differ by at most one."""
+    bounds = [round(i * depth / count) for i in range(count + 1)]
+    return tuple((bounds[i], bounds[i + 1]) for i in range(count))
+
+
+def _parse_stages(s: _Fields, depth: int) -> tuple[tuple[int, int], ...]:
+    count = s.integer("count", minimum=1, maximum=depth)
+    layers = s.get("layers", default=None)
+    s.no_unknown()
+    if layers is None:
+        return even_stages(depth, count)
+    if not isinstance(layers, list) or len(layers) != count:
+        raise ManifestError(
+            f"manifest field 'stages.layers': must be a list of {count} [start, end) layer ranges, one per stage"
+        )
+    expected_start = 0
+    ranges = []
+    for i, item in enumerate(layers):
+        where = f"stages.layers[{i}]"
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
+        ):
+            raise ManifestError(f"manifest field '{where}': must be a pair of integers [start, end), got {item!r}")
+        start, end = item
+        if start != expected_start:
+            raise ManifestError(
+                f"manifest field '{where}': stage {i} must start at layer {expected_start} so that stages are "
+                f"contiguous, got {start}"
+            )
+        if end <= start:
+            raise ManifestError(f"manifest field '{where}': a stage needs at least one layer, got [{start}, {end})")
+        ranges.append((start, end))
+        expected_start = end
+    if expected_start != depth:
+        raise ManifestError(
+            f"manifest field 'stages.layers': the stages cover layers [0, {expected_start}) but model.depth is {depth}"
+        )
+    return tuple(ranges)
+
+
+def validate_multiaddrs(values: list[Any], where: str) -> list[str]:
+    """Parse every multiaddr with the `multiaddr` library; raise ManifestError on the first bad one."""
+    result = []
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            raise ManifestError(f"manifest field '{where}[{i}]': must be a multiaddr string, got {value!r}")
+        try:
+            addr = Multiaddr(value)
+        except Exception as e:  # the multiaddr library raises several unrelated types
+            raise ManifestError(f"manifest field '{where}[{i}]': {value!r} is not a valid multiaddr ({e})") from None
+        if "p2p" not in [p.name for p in addr.protocols()]:
+            raise ManifestError(
+                f"manifest field '{where}[{i}]': {value!r} has no /p2p/<peer id> part; copy the full address "
+                "that swarm-peer printed"
+            )
+        result.append(str(addr))
+    return result
+
+
+class _Fields:
+    """Typed access to one JSON object of the manifest, with errors that name the field."""
+
+    def __init__(self, raw: Any, path: str):
+        self.path = path
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ManifestError(f"{self._name(None)}: must be a JSON object, got {type(raw).__name__}")
+        self.raw = raw
+        self.used: set[str] = set()
+
+    def _name(self, key: str | None) -> str:
+        prefix = "" if self.path == "manifest" else self.path
+        full = key if not prefix else (prefix if key is None else f"{prefix}.{key}")
+        return "manifest" if full is None else f"manifest field '{full}'"
+
+    _MISSING = object()
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        self.used.add(key)
+        if key not in self.raw:
+            if default is _Fields._MISSING:
+                raise ManifestError(f"{self._name(key)}: is required but missing")
+            return default
+        return self.raw[key]
+
+    def section(self, key: str, optional: bool = False) -> _Fields:
+        value = self.get(key, default=None if optional else _Fields._MISSING)
+        sub_path = key if self.path == "manifest" else f"{self.path}.{key}"
+        return _Fields(value, sub_path)
+
+    def string(self, key: str, default: Any = _MISSING) -> str:
+        value = self.get(key, default)
+        if not isinstance(value, str) or not value.strip():
+            raise ManifestError(f"{self._name(key)}: must be a non-empty string, got {value!r}")
+        return value
+
+    def integer(self, key: str, default: Any = _MISSING, minimum: int | None = None, maximum: int | None = None) -> int:
+        value = self.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ManifestError(f"{self._name(key)}: must be an integer, got {value!r}")
+        self._check_range(key, value, minimum, maximum)
+        return value
+
+    def number(
+        self, key: str, default: Any = _MISSING, minimum: float | None = None, maximum: float | None = None
+    ) -> float:
+        value = self.get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value or value in (
+            float("inf"),
+            float("-inf"),
+        ):
+            raise ManifestError(f"{self._name(key)}: must be a finite number, got {value!r}")
+        self._check_range(key, value, minimum, maximum)
+        return float(value)
+
+    def choice(self, key: str, options: tuple[str, ...], default: Any = _MISSING) -> str:
+        value = self.get(key, default)
+        if value not in options:
+            raise ManifestError(f"{self._name(key)}: must be one of {', '.join(options)}, got {value!r}")
+        return value
+
+    def _check_range(self, key: str, value: float, minimum: float | None, maximum: float | None) -> None:
+        if minimum is not None and value < minimum:
+            raise ManifestError(f"{self._name(key)}: must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise ManifestError(f"{self._name(key)}: must be at most {maximum}, got {value}")
+
+    def no_unknown(self) -> None:
+        unknown = sorted(set(self.raw) - self.used)
+        if unknown:
+            raise ManifestError(f"{self._name(unknown[0])}: unknown field (misspelled?)")

@@ -1,0 +1,269 @@
+"""Stage RPC messages: encode, decode, validate.
+
+Requests and replies are hivemind's `ExpertRequest` / `ExpertResponse` protobufs: a list of serialized tensors
+plus a `metadata` blob, which here is a msgpack dictionary. Everything that arrives from the network is checked
+here before it reaches a model: the swarm id and protocol version, the metadata's types, each tensor's
+compression, dtype, shape and byte size (before it is deserialized), then its values (finite, token ids in
+range) and its shape against the stage it is meant for.
+
+Forward request:   tensors [inputs] or, on the last stage, [inputs, targets]; metadata {train: bool}.
+Forward reply:     [outputs] on other stages; on the last stage [loss] or, when training, [loss, grad_inputs].
+Backward request:  tensors [grad_outputs] or [grad_outputs, inputs] (inputs let any peer recompute forward).
+Backward reply:    [grad_inputs], or no tensor on stage 0 (its inputs are tokens).
+Error reply:       no tensors; metadata {error: message, code: bad_request | busy | unknown_microbatch | internal}.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import AsyncIterator, TypeVar
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from swarm import PROTOCOL_VERSION
+from swarm.errors import BadRequestError, RemoteStageError
+from swarm.manifest import Manifest
+
+# Replies and requests up to this size go as one unary message (hivemind caps those at 4 MiB); larger by stream.
+MAX_UNARY_BYTES = 3 * 1024 * 1024
+STREAM_CHUNK_BYTES = 1024 * 1024
+MAX_MICROBATCH_ID = 64
+
+COMPRESSIONS = {
+    "float32": runtime_pb2.CompressionType.NONE,
+    "float16": runtime_pb2.CompressionType.FLOAT16,
+}
+_BYTES_PER_ELEMENT = {
+    ("float32", runtime_pb2.CompressionType.NONE): 4,
+    ("float32", runtime_pb2.CompressionType.FLOAT16): 2,
+    ("int64", runtime_pb2.CompressionType.NONE): 8,
+}
+
+Message = TypeVar("Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
+
+ERROR_CODES = ("bad_request", "busy", "unknown_microbatch", "internal")
+
+
+@dataclass
+class StageRequest:
+    """A decoded, validated request."""
+
+    kind: str  # "forward" or "backward"
+    microbatch_id: str
+    train: bool
+    tensors: list[torch.Tensor]
+
+
+# -------------------------------------------------------------------------------------------- encoding
+
+
+def encode_tensor(tensor: torch.Tensor, compression: str = "float32") -> runtime_pb2.Tensor:
+    tensor = tensor.detach().cpu()
+    kind = COMPRESSIONS[compression] if tensor.dtype == torch.float32 else runtime_pb2.CompressionType.NONE
+    return serialize_torch_tensor(tensor, kind)
+
+
+def make_request(
+    manifest: Manifest, microbatch_id: str, tensors: list[torch.Tensor], train: bool = True
+) -> runtime_pb2.ExpertRequest:
+    metadata = {
+        "swarm_id": manifest.swarm_id,
+        "protocol_version": PROTOCOL_VERSION,
+        "microbatch_id": microbatch_id,
+        "train": train,
+    }
+    compression = manifest.training.activation_compression
+    return runtime_pb2.ExpertRequest(
+        tensors=[encode_tensor(t, compression) for t in tensors], metadata=MSGPackSerializer.dumps(metadata)
+    )
+
+
+def make_reply(tensors: list[torch.Tensor], compression: str = "float32") -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(
+        tensors=[encode_tensor(t, compression) for t in tensors], metadata=MSGPackSerializer.dumps({"ok": True})
+    )
+
+
+def make_error_reply(message: str, code: str = "bad_request") -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": message[:2000], "code": code}))
+
+
+def decode_reply(reply: runtime_pb2.ExpertResponse, max_elements: int) -> list[torch.Tensor]:
+    """Tensors of a reply; raise RemoteStageError if the peer answered with an error."""
+    try:
+        metadata = MSGPackSerializer.loads(reply.metadata) if reply.metadata else {}
+    except Exception:
+        raise RemoteStageError("the peer sent an unreadable reply", "internal") from None
+    if not isinstance(metadata, dict):
+        raise RemoteStageError("the peer sent an unreadable reply", "internal")
+    if "error" in metadata:
+        code = metadata.get("code") if metadata.get("code") in ERROR_CODES else "internal"
+        raise RemoteStageError(str(metadata["error"])[:2000], code)
+    try:
+        return [decode_tensor(t, max_elements, f"reply tensor {i}") for i, t in enumerate(reply.tensors)]
+    except BadRequestError as e:
+        raise RemoteStageError(f"the peer sent a malformed reply: {e}", "internal") from None
+
+
+# -------------------------------------------------------------------------------------------- decoding
+
+
+def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> torch.Tensor:
+    """Check a serialized tensor's header and byte size, then deserialize it."""
+    key = (proto.dtype, proto.compression)
+    if key not in _BYTES_PER_ELEMENT:
+        raise BadRequestError(
+            f"{name}: dtype {proto.dtype or '(none)'!r} with compression "
+            f"{runtime_pb2.CompressionType.Name(proto.compression) if proto.compression in runtime_pb2.CompressionType.values() else proto.compression}"
+            " is not accepted (use float32 or float16 activations and int64 tokens)"
+        )
+    shape = list(proto.size)
+    if len(shape) > 4:
+        raise BadRequestError(f"{name}: {len(shape)} dimensions, at most 4 are accepted")
+    numel = math.prod(shape)
+    if numel > max_elements:
+        raise BadRequestError(f"{name}: {numel} elements, more than the {max_elements} this stage accepts")
+    expected = numel * _BYTES_PER_ELEMENT[key]
+    if len(proto.buffer) != expected:
+        raise BadRequestError(f"{name}: buffer has {len(proto.buffer)} bytes, shape {shape} needs {expected}")
+    if proto.requires_grad:
+        proto.requires_grad = False
+    try:
+        return deserialize_torch_tensor(proto).float() if proto.dtype == "float32" else deserialize_torch_tensor(proto)
+    except Exception as e:
+        raise BadRequestError(f"{name}: cannot be deserialized ({type(e).__name__})") from None
+
+
+def decode_request(
+    kind: str,
+    request: runtime_pb2.ExpertRequest,
+    manifest: Manifest,
+    max_elements: int,
+) -> StageRequest:
+    """Validate the metadata and tensor headers of a request (not yet its shapes against the stage)."""
+    try:
+        metadata = MSGPackSerializer.loads(request.metadata)
+    except Exception:
+        raise BadRequestError("metadata is not a msgpack dictionary") from None
+    if not isinstance(metadata, dict):
+        raise BadRequestError("metadata is not a msgpack dictionary")
+    if metadata.get("swarm_id") != manifest.swarm_id:
+        raise BadRequestError(
+            f"wrong swarm id {str(metadata.get('swarm_id'))[:40]!r}: this peer serves swarm {manifest.swarm_id}"
+        )
+    if metadata.get("protocol_version") != PROTOCOL_VERSION:
+        raise BadRequestError(
+            f"protocol version {str(metadata.get('protocol_version'))[:20]!r} is not supported: this peer speaks "
+            f"{PROTOCOL_VERSION}"
+        )
+    microbatch_id = metadata.get("microbatch_id")
+    if not isinstance(microbatch_id, str) or not 0 < len(microbatch_id) <= MAX_MICROBATCH_ID:
+        raise BadRequestError(f"microbatch_id must be a string of 1 to {MAX_MICROBATCH_ID} characters")
+    train = metadata.get("train", True)
+    if not isinstance(train, bool):
+        raise BadRequestError("train must be true or false")
+    if len(request.tensors) > 2:
+        raise BadRequestError(f"{len(request.tensors)} tensors sent, at most 2 are accepted")
+    tensors = [decode_tensor(t, max_elements, f"tensor {i}") for i, t in enumerate(request.tensors)]
+    return StageRequest(kind=kind, microbatch_id=microbatch_id, train=train, tensors=tensors)
+
+
+# ---------------------------------------------------------------------------------- checks for one stage
+
+
+def check_inputs(inputs: torch.Tensor, manifest: Manifest, stage: int) -> None:
+    """Stage 0 takes token ids [batch, length]; other stages take hidden states [batch, length, width]."""
+    config, training = manifest.model, manifest.training
+    if stage == 0:
+        if inputs.dtype != torch.int64 or inputs.dim() != 2:
+            raise BadRequestError(f"stage 0 inputs must be int64 token ids [batch, length], got {_describe(inputs)}")
+        check_tokens(inputs, config.vocab_size, "inputs")
+    else:
+        if inputs.dtype != torch.float32 or inputs.dim() != 3 or inputs.shape[2] != config.width:
+            raise BadRequestError(
+                f"stage {stage} inputs must be float32 hidden states [batch, length, {config.width}], "
+                f"got {_describe(inputs)}"
+            )
+        check_finite(inputs, "inputs")
+    batch, length = inputs.shape[:2]
+    if not 1 <= batch <= training.microbatch_size:
+        raise BadRequestError(f"batch size {batch} is outside 1..{training.microbatch_size} (microbatch_size)")
+    if not 1 <= length <= config.context_length:
+        raise BadRequestError(f"sequence length {length} is outside 1..{config.context_length} (context_length)")
+
+
+def check_targets(targets: torch.Tensor, inputs: torch.Tensor, vocab_size: int) -> None:
+    if targets.dtype != torch.int64 or tuple(targets.shape) != tuple(inputs.shape[:2]):
+        raise BadRequestError(
+            f"targets must be int64 token ids of shape {list(inputs.shape[:2])}, got {_describe(targets)}"
+        )
+    check_tokens(targets, vocab_size, "targets")
+
+
+def check_grad(grad: torch.Tensor, expected_shape: tuple[int, ...]) -> None:
+    if grad.dtype != torch.float32 or tuple(grad.shape) != tuple(expected_shape):
+        raise BadRequestError(f"grad_outputs must be float32 of shape {list(expected_shape)}, got {_describe(grad)}")
+    check_finite(grad, "grad_outputs")
+
+
+def check_tokens(tokens: torch.Tensor, vocab_size: int, name: str) -> None:
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise BadRequestError(f"{name} has token ids outside 0..{vocab_size - 1}")
+
+
+def check_finite(tensor: torch.Tensor, name: str) -> None:
+    if not bool(torch.isfinite(tensor).all()):
+        raise BadRequestError(f"{name} contains NaN or Inf values")
+
+
+def max_request_elements(manifest: Manifest) -> int:
+    """The largest tensor any valid request or reply can hold (a microbatch of hidden states or logits)."""
+    config, training = manifest.model, manifest.training
+    return training.microbatch_size * config.context_length * max(config.width, config.vocab_size)
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
+
+
+# ------------------------------------------------------------------------------------------- streaming
+
+
+def needs_stream(message_bytes: int, reply_elements: int) -> bool:
+    """Whether a call must go by stream: its request or its expected reply would not fit one unary message."""
+    return max(message_bytes, reply_elements * 4) > MAX_UNARY_BYTES
+
+
+def split_message(message: Message) -> list[Message]:
+    """Split a request or reply into stream parts; the first part carries the metadata."""
+    parts = [type(message)(metadata=message.metadata)]
+    for tensor in message.tensors:
+        for chunk in split_for_streaming(tensor, STREAM_CHUNK_BYTES):
+            parts.append(type(message)(tensors=[chunk]))
+    return parts
+
+
+async def combine_message(parts: AsyncIterator[Message], message_type: type[Message], max_bytes: int) -> Message:
+    """Rebuild a message from stream parts, refusing more than max_bytes of tensor data."""
+    metadata = None
+    tensors: list[list[runtime_pb2.Tensor]] = []
+    total = 0
+    async for part in parts:
+        if metadata is None:
+            metadata = part.metadata
+        for chunk in part.tensors:
+            total += len(chunk.buffer)
+            if total > max_bytes:
+                raise BadRequestError(f"the message is larger than the {max_bytes} bytes this stage accepts")
+            if chunk.dtype or not tensors:
+                tensors.append([chunk])
+            else:
+                tensors[-1].append(chunk)
+            if len(tensors) > 2:
+                raise BadRequestError(f"{len(tensors)} tensors sent, at most 2 are accepted")
+    return message_type(metadata=metadata or b"", tensors=[combine_from_streaming(t) for t in tensors])

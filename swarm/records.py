@@ -1,0 +1,203 @@
+"""DHT keys and the small records peers keep there: announcements of stage servers and trainer reports.
+
+Every key starts with the swarm id, so that swarms with different settings can share one DHT and never mix.
+Records are dictionaries keyed by peer id (a DHT "subkey"), each subkey with its own expiration. Records
+read from the DHT come from strangers: they are validated, and invalid ones are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from swarm import PROTOCOL_VERSION, __version__
+
+logger = logging.getLogger(__name__)
+
+STATES = ("joining", "online", "offline")
+MAX_TEXT = 128
+
+
+def stage_key(swarm_id: str, stage: int) -> str:
+    return f"{swarm_id}.stage.{stage}"
+
+
+def trainers_key(swarm_id: str) -> str:
+    return f"{swarm_id}.trainers"
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """What a stage server says about itself."""
+
+    peer_id: str
+    stage: int
+    state: str
+    throughput: float  # samples per second of forward+backward on its device
+    samples_served: int = 0
+    device: str = "cpu"
+    version: str = __version__
+    protocol_version: int = PROTOCOL_VERSION
+    expiration: float = 0.0  # filled in when read from the DHT
+
+    def to_record(self) -> dict[str, Any]:
+        record = asdict(self)
+        record.pop("expiration")
+        return record
+
+
+@dataclass(frozen=True)
+class TrainerReport:
+    """What a trainer says about its recent progress."""
+
+    peer_id: str
+    loss: float
+    samples_per_second: float
+    samples: int
+    failed_microbatches: int = 0
+    expiration: float = 0.0
+
+    def to_record(self) -> dict[str, Any]:
+        record = asdict(self)
+        record.pop("expiration")
+        return record
+
+
+def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) -> Announcement | None:
+    """Validate one announcement read from the DHT; None if it is malformed or of another protocol."""
+    try:
+        if not isinstance(record, dict) or record.get("protocol_version") != PROTOCOL_VERSION:
+            return None
+        ann = Announcement(
+            peer_id=_text(record["peer_id"]),
+            stage=int(record["stage"]),
+            state=record["state"],
+            throughput=float(record["throughput"]),
+            samples_served=int(record["samples_served"]),
+            device=_text(record["device"]),
+            version=_text(record["version"]),
+            expiration=float(expiration),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+    if (
+        ann.peer_id != subkey
+        or ann.stage != stage
+        or ann.state not in STATES
+        or not math.isfinite(ann.throughput)
+        or ann.throughput < 0
+        or ann.samples_served < 0
+    ):
+        return None
+    return ann
+
+
+def parse_trainer_report(subkey: Any, record: Any, expiration: float) -> TrainerReport | None:
+    try:
+        if not isinstance(record, dict):
+            return None
+        report = TrainerReport(
+            peer_id=_text(record["peer_id"]),
+            loss=float(record["loss"]),
+            samples_per_second=float(record["samples_per_second"]),
+            samples=int(record["samples"]),
+            failed_microbatches=int(record["failed_microbatches"]),
+            expiration=float(expiration),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+    if report.peer_id != subkey or report.samples < 0 or not math.isfinite(report.samples_per_second):
+        return None
+    return report
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > MAX_TEXT:
+        raise ValueError("not a short string")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------ DHT I/O
+
+
+async def store_announcement(dht: DHT, swarm_id: str, ann: Announcement, lifetime: float) -> bool:
+    return await dht.store(
+        stage_key(swarm_id, ann.stage),
+        ann.to_record(),
+        expiration_time=get_dht_time() + lifetime,
+        subkey=ann.peer_id,
+        return_future=True,
+    )
+
+
+async def store_trainer_report(dht: DHT, swarm_id: str, report: TrainerReport, lifetime: float) -> bool:
+    return await dht.store(
+        trainers_key(swarm_id),
+        report.to_record(),
+        expiration_time=get_dht_time() + lifetime,
+        subkey=report.peer_id,
+        return_future=True,
+    )
+
+
+async def fetch_announcements(dht: DHT, swarm_id: str, stage: int) -> list[Announcement]:
+    """All valid, unexpired announcements of a stage (any state)."""
+    found = await dht.get(stage_key(swarm_id, stage), latest=True, return_future=True)
+    return [
+        ann
+        for subkey, item in _entries(found)
+        if (ann := parse_announcement(subkey, item.value, stage, item.expiration_time)) is not None
+    ]
+
+
+async def fetch_trainer_reports(dht: DHT, swarm_id: str) -> list[TrainerReport]:
+    found = await dht.get(trainers_key(swarm_id), latest=True, return_future=True)
+    return [
+        report
+        for subkey, item in _entries(found)
+        if (report := parse_trainer_report(subkey, item.value, item.expiration_time)) is not None
+    ]
+
+
+def _entries(found: Any) -> list[tuple[Any, Any]]:
+    if found is None or not isinstance(found.value, dict):
+        return []
+    now = get_dht_time()
+    return [(subkey, item) for subkey, item in found.value.items() if item.expiration_time > now]
+
+
+class SwarmView:
+    """A cached picture of the stages' announcements, refreshed from the DHT when older than `max_age`."""
+
+    def __init__(self, dht: DHT, swarm_id: str, num_stages: int, max_age: float):
+        self.dht, self.swarm_id, self.num_stages, self.max_age = dht, swarm_id, num_stages, max_age
+        self._stages: list[list[Announcement]] = [[] for _ in range(num_stages)]
+        self._updated = -float("inf")
+
+    async def refresh(self) -> None:
+        results = await asyncio.gather(
+            *[fetch_announcements(self.dht, self.swarm_id, s) for s in range(self.num_stages)], return_exceptions=True
+        )
+        for stage, result in enumerate(results):
+            if isinstance(result, BaseException):
+                logger.warning(f"reading announcements of stage {stage} failed: {result!r}")
+            else:
+                self._stages[stage] = result
+        self._updated = get_dht_time()
+
+    async def stage(self, stage: int, force: bool = False) -> list[Announcement]:
+        """Announcements of one stage (all states), refreshed if stale or forced."""
+        if force or get_dht_time() - self._updated > self.max_age:
+            await self.refresh()
+        return self._stages[stage]
+
+    async def all_stages(self, force: bool = False) -> list[list[Announcement]]:
+        if force or get_dht_time() - self._updated > self.max_age:
+            await self.refresh()
+        return list(self._stages)
