@@ -62,12 +62,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="default: auto")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: never)")
+    parser.add_argument("--status-every", type=float, default=10.0, help="print a status line this often (seconds)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the trainer's data order (default: random)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
+    if args.status_every <= 0:
+        parser.error("--status-every must be positive")
     if args.duration is not None and args.duration <= 0:
         parser.error("--duration must be positive")
     return args
@@ -135,7 +138,7 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
         started = time.monotonic()
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), timeout=10)
+                await asyncio.wait_for(stop.wait(), timeout=args.status_every)
             except asyncio.TimeoutError:
                 pass
             if trainer_task is not None and trainer_task.done():
@@ -149,7 +152,10 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
             await asyncio.gather(trainer_task, return_exceptions=True)
         if server is not None:
             await server.shutdown()
-        await p2p.shutdown()
+        try:
+            await asyncio.wait_for(p2p.shutdown(), timeout=5)
+        except Exception as e:
+            logger.warning(f"p2p shutdown failed: {e!r}")
         print("stopped cleanly", flush=True)
     return 0
 

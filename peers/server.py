@@ -100,20 +100,23 @@ class StageServer(ServicerBase):
         self._announce_task = asyncio.create_task(self._announce_forever())
         logger.info(f"serving stage {self.stage} (layers {list(self.model.layers)}) as {self.peer_id}")
 
-    async def shutdown(self) -> None:
-        """Announce offline, stop taking requests, finish the work in flight."""
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Announce offline, stop taking requests, finish the work in flight.
+
+        Every step has a timeout: on Ctrl-C the DHT process and the p2p daemon may already be gone."""
         self.state = "offline"
         if self._announce_task is not None:
             self._announce_task.cancel()
-        try:
-            await asyncio.wait_for(self.announce(), timeout=5)
-        except Exception as e:  # shutting down anyway; the record will expire
-            logger.warning(f"could not announce offline: {e!r}")
+        steps = []
+        if self._dht is not None and self._dht.is_alive():
+            steps.append(("announcing offline", self.announce()))
         if self._p2p is not None:
+            steps.append(("removing handlers", self.remove_p2p_handlers(self._p2p, namespace=NAMESPACE)))
+        for what, step in steps:
             try:
-                await self.remove_p2p_handlers(self._p2p, namespace=NAMESPACE)
-            except Exception as e:
-                logger.debug(f"removing handlers failed: {e!r}")
+                await asyncio.wait_for(step, timeout=timeout)
+            except Exception as e:  # shutting down anyway; the record will expire
+                logger.warning(f"{what} failed during shutdown: {e!r}")
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
 
     def announcement(self) -> Announcement:

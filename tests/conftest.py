@@ -1,0 +1,155 @@
+"""Fixtures that start real peer processes on loopback and always stop them (and their p2pd daemons).
+
+Each peer runs in its own session (process group), so that the peer, its DHT process and its p2pd daemon
+can be killed together, by their group id, whatever a test does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def tiny_manifest_dict(**overrides) -> dict:
+    """A small, fast 2-stage swarm for tests."""
+    manifest = {
+        "name": "test-swarm",
+        "protocol_version": 1,
+        "model": {"vocab_size": 256, "width": 64, "depth": 2, "heads": 2, "context_length": 32, "seed": 0},
+        "stages": {"count": 2},
+        "training": {
+            "microbatch_size": 8,
+            "microbatches_per_step": 1,
+            "learning_rate": 0.003,
+            "max_in_flight": 2,
+            "timeouts": {"forward": 5, "backward": 5, "microbatch": 60},
+        },
+        "data": {"source": "stdlib", "shards": 4},
+        "network": {"announce_period": 1.0},
+        "initial_peers": [],
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(manifest.get(key), dict):
+            manifest[key] = {**manifest[key], **value}
+        else:
+            manifest[key] = value
+    return manifest
+
+
+class PeerProcess:
+    """One `swarm-peer` process in its own process group, with its output in a log file."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.log_path = log_path
+        self.log_file = open(log_path, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "peers.peer", *args],
+            cwd=ROOT,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+        self.pgid = self.process.pid  # the session leader's pid is the group id
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.output())
+            if match:
+                return match
+            if self.process.poll() is not None:
+                raise AssertionError(f"peer exited ({self.process.returncode}) before {pattern!r}:\n{self.output()}")
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {pattern!r}:\n{self.output()[-3000:]}")
+
+    def maddr(self, timeout: float = 60.0) -> str:
+        return self.wait_for(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", timeout).group(1)
+
+    def peer_id(self, timeout: float = 60.0) -> str:
+        return self.wait_for(r"peer (12D3\w+)", timeout).group(1)
+
+    def status_lines(self) -> list[dict]:
+        lines = []
+        for line in self.output().splitlines():
+            if line.startswith("{"):
+                try:
+                    lines.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        return lines
+
+    def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except ProcessLookupError:
+            pass
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        # zombies of the group do not count once the leader is reaped
+        return _group_has_live_members(self.pgid)
+
+    def stop(self) -> None:
+        self.kill_group(signal.SIGKILL)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log_file.close()
+
+
+def _group_has_live_members(pgid: int) -> bool:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state != "Z":
+            return True
+    return False
+
+
+@pytest.fixture
+def start_peer(tmp_path):
+    """start_peer(manifest_path, *flags) -> PeerProcess; every peer is killed (group-wide) at teardown."""
+    started: list[PeerProcess] = []
+
+    def start(manifest_path: Path, *flags: str) -> PeerProcess:
+        args = ["--join", str(manifest_path), "--host-maddrs", LOOPBACK, "--threads", "1", *flags]
+        peer = PeerProcess(args, tmp_path / f"peer{len(started)}.log")
+        started.append(peer)
+        return peer
+
+    yield start
+    for peer in started:
+        peer.stop()
+
+
+@pytest.fixture
+def write_manifest(tmp_path):
+    def write(manifest: dict, name: str = "manifest.json") -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps(manifest))
+        return path
+
+    return write

@@ -1,0 +1,223 @@
+"""Integration tests with real peer processes, a real DHT and real RPC on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind import DHT
+
+from conftest import LOOPBACK, tiny_manifest_dict
+from peers.server import call_stage
+from peers.trainer import Trainer
+from swarm import protocol
+from swarm.data import TextData, heldout_batches
+from swarm.errors import RemoteStageError
+from swarm.manifest import manifest_from_dict
+from swarm.records import fetch_announcements, fetch_trainer_reports
+
+pytestmark = pytest.mark.integration
+
+
+def client_dht(maddr: str) -> DHT:
+    return DHT(initial_peers=[maddr], start=True, client_mode=True, host_maddrs=[LOOPBACK])
+
+
+def wait_online(dht: DHT, manifest, counts: list[int], timeout: float = 60.0) -> None:
+    async def online() -> list[int]:
+        return [
+            sum(a.state == "online" for a in await fetch_announcements(dht, manifest.swarm_id, s))
+            for s in range(manifest.num_stages)
+        ]
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(n >= c for n, c in zip(asyncio.run(online()), counts)):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"stages did not come online: {asyncio.run(online())} < {counts}")
+
+
+def test_two_stage_swarm_trains_and_heldout_loss_falls(start_peer, write_manifest):
+    raw = tiny_manifest_dict()
+    path = write_manifest(raw)
+    first = start_peer(path, "--stage", "0", "--no-trainer")
+    raw["initial_peers"] = [first.maddr()]
+    manifest = manifest_from_dict(raw)
+    path = write_manifest(raw, "joined.json")
+    start_peer(path, "--stage", "1", "--no-trainer")
+    dht = client_dht(first.maddr())
+    try:
+        wait_online(dht, manifest, [1, 1])
+        tokens = TextData.load("stdlib", shard=0, shards=4)
+        batches = heldout_batches(tokens.heldout, 4, 8, manifest.model.context_length)
+
+        async def run() -> tuple[float, float, Trainer]:
+            p2p = await dht.replicate_p2p()
+            trainer = Trainer(manifest, dht, p2p, str(dht.peer_id), seed=0)
+            before = await trainer.evaluate(batches)
+            await trainer.train(tokens.train, asyncio.Event(), max_samples=8 * 120)
+            after = await trainer.evaluate(batches)
+            await p2p.shutdown()
+            return before, after, trainer
+
+        before, after, trainer = asyncio.run(run())
+        assert trainer.samples >= 8 * 120
+        assert trainer.failed_microbatches == 0
+        assert after < 0.8 * before, (before, after)
+    finally:
+        dht.shutdown()
+
+
+def test_trainer_survives_sigkill_of_a_replica(start_peer, write_manifest):
+    raw = tiny_manifest_dict()
+    first = start_peer(write_manifest(raw), "--stage", "0", "--status-every", "1")  # serves stage 0 and trains
+    raw["initial_peers"] = [first.maddr()]
+    manifest = manifest_from_dict(raw)
+    path = write_manifest(raw, "joined.json")
+    survivor = start_peer(path, "--stage", "1", "--no-trainer")
+    victim = start_peer(path, "--stage", "1", "--no-trainer")
+    dht = client_dht(first.maddr())
+    try:
+        wait_online(dht, manifest, [1, 2])
+        survivor_id, victim_id = survivor.peer_id(), victim.peer_id()
+
+        def served() -> dict[str, int]:
+            anns = asyncio.run(fetch_announcements(dht, manifest.swarm_id, 1))
+            return {a.peer_id: a.samples_served for a in anns}
+
+        deadline = time.monotonic() + 60
+        while served().get(victim_id, 0) == 0 or served().get(survivor_id, 0) == 0:
+            assert time.monotonic() < deadline, f"both replicas should serve before the kill: {served()}"
+            time.sleep(0.5)
+
+        victim.kill_group(signal.SIGKILL)
+        killed_at = time.monotonic()
+        samples_at_kill = first.status_lines()[-1]["trainer_samples"]
+        survivor_at_kill = served()[survivor_id]
+        time.sleep(8)
+        latest = first.status_lines()[-1]
+        assert latest["trainer_samples"] > samples_at_kill + 40, (samples_at_kill, latest)
+        assert served()[survivor_id] > survivor_at_kill
+        reports = asyncio.run(fetch_trainer_reports(dht, manifest.swarm_id))
+        assert any(r.peer_id == first.peer_id() and r.samples > 0 for r in reports)
+        assert first.process.poll() is None and survivor.process.poll() is None
+        assert time.monotonic() - killed_at < 30
+    finally:
+        dht.shutdown()
+
+
+def test_malformed_requests_get_errors_and_leave_weights_unchanged(start_peer, write_manifest):
+    raw = tiny_manifest_dict()
+    first = start_peer(write_manifest(raw), "--stage", "0", "--no-trainer")
+    raw["initial_peers"] = [first.maddr()]
+    manifest = manifest_from_dict(raw)
+    last = start_peer(write_manifest(raw, "joined.json"), "--stage", "1", "--no-trainer")
+    dht = client_dht(first.maddr())
+    config = manifest.model
+    width, length, batch = config.width, config.context_length, manifest.training.microbatch_size
+    try:
+        wait_online(dht, manifest, [1, 1])
+        stage0, stage1 = first.peer_id(), last.peer_id()
+        hidden = torch.randn(batch, length, width)
+        targets = torch.randint(0, 256, (batch, length))
+        tokens = torch.randint(0, 256, (batch, length))
+        other = manifest_from_dict({**raw, "name": "another-swarm"})
+
+        def request(tensors, m=manifest, microbatch_id="mb", train=True):
+            return protocol.make_request(m, microbatch_id, tensors, train=train)
+
+        nan_hidden = hidden.clone()
+        nan_hidden[0, 0, 0] = float("nan")
+        garbage = request([hidden, targets])
+        garbage.metadata = b"\xff\x00 not msgpack"
+        bad_version = request([hidden, targets])
+        bad_version.metadata = protocol.MSGPackSerializer.dumps(
+            {"swarm_id": manifest.swarm_id, "protocol_version": 999, "microbatch_id": "x", "train": True}
+        )
+        truncated = request([hidden, targets])
+        truncated.tensors[0].buffer = truncated.tensors[0].buffer[:100]
+        cases = {
+            "wrong shape": (stage1, "forward", request([torch.randn(batch, length, width + 1), targets])),
+            "wrong dtype": (stage1, "forward", request([hidden.double().float().half().float().long(), targets])),
+            "NaN": (stage1, "forward", request([nan_hidden, targets])),
+            "tokens out of range": (stage0, "forward", request([tokens + 300])),
+            "negative tokens": (stage0, "forward", request([tokens - 300])),
+            "targets out of range": (stage1, "forward", request([hidden, targets + 256])),
+            "oversized batch": (stage1, "forward", request([torch.randn(batch * 4, length, width), targets.repeat(4, 1)])),
+            "too long": (stage0, "forward", request([torch.randint(0, 256, (batch, length * 2))])),
+            "wrong swarm id": (stage1, "forward", request([hidden, targets], m=other)),
+            "wrong protocol version": (stage1, "forward", bad_version),
+            "garbage metadata": (stage1, "forward", garbage),
+            "truncated buffer": (stage1, "forward", truncated),
+            "missing targets": (stage1, "forward", request([hidden])),
+            "backward of unknown microbatch": (stage0, "backward", request([hidden], microbatch_id="never-seen")),
+            "backward to the last stage": (stage1, "backward", request([hidden, hidden])),
+            "NaN gradient": (stage0, "backward", request([nan_hidden, tokens])),
+        }
+
+        async def run():
+            p2p = await dht.replicate_p2p()
+            probe = request([hidden, targets], train=False)
+
+            async def probe_loss() -> float:
+                reply = await call_stage(p2p, stage1, "forward", probe, 10, batch * length * width)
+                return float(protocol.decode_reply(reply, 10**8)[0])
+
+            async def first_stage_output() -> torch.Tensor:
+                reply = await call_stage(p2p, stage0, "forward", request([tokens], train=False), 10, batch * length * width)
+                return protocol.decode_reply(reply, 10**8)[0]
+
+            before, before0 = await probe_loss(), await first_stage_output()
+            errors = {}
+            for name, (peer, kind, req) in cases.items():
+                reply = await call_stage(p2p, peer, kind, req, 10, batch * length * width)
+                with pytest.raises(RemoteStageError) as info:
+                    protocol.decode_reply(reply, 10**8)
+                errors[name] = info.value
+            after, after0 = await probe_loss(), await first_stage_output()
+            # the server still trains on a good request afterwards
+            good = await call_stage(p2p, stage1, "forward", request([hidden, targets]), 10, batch * length * width)
+            loss, grad = protocol.decode_reply(good, 10**8)
+            trained = await probe_loss()
+            await p2p.shutdown()
+            return before, after, before0, after0, errors, grad, trained
+
+        before, after, before0, after0, errors, grad, trained = asyncio.run(run())
+        assert before == after
+        assert torch.equal(before0, after0)
+        assert set(errors) == set(cases)
+        for name, error in errors.items():
+            expected = "unknown_microbatch" if "unknown" in name else "bad_request"
+            assert error.code == expected, (name, error)
+            assert len(str(error)) > 10
+        assert "swarm" in str(errors["wrong swarm id"]) and "protocol" in str(errors["wrong protocol version"])
+        assert grad.shape == hidden.shape
+        assert trained != before  # a good request does change the weights
+        assert first.process.poll() is None and last.process.poll() is None
+    finally:
+        dht.shutdown()
+
+
+@pytest.mark.parametrize("how", ["sigterm-to-peer", "ctrl-c-to-group"])
+def test_clean_shutdown_leaves_nothing_behind(start_peer, write_manifest, how):
+    peer = start_peer(write_manifest(tiny_manifest_dict()), "--stage", "0", "--no-trainer")
+    peer.maddr()
+    peer.wait_for("serving stage 0")
+    daemon_sockets = set(Path("/tmp").glob("hivemind-p2p*.sock"))
+    if how == "sigterm-to-peer":
+        peer.process.send_signal(signal.SIGTERM)
+    else:
+        peer.kill_group(signal.SIGINT)
+    assert peer.process.wait(timeout=30) == 0, peer.output()
+    assert "stopped cleanly" in peer.output()
+    deadline = time.monotonic() + 10
+    while peer.group_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not peer.group_alive(), "the DHT process or p2pd daemon outlived the peer"
+    leftover = daemon_sockets & set(Path("/tmp").glob("hivemind-p2p*.sock"))
+    assert not leftover, leftover
