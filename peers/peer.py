@@ -46,16 +46,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--join", required=True, metavar="MANIFEST", help="path of the swarm's manifest (JSON)")
-    parser.add_argument("--stage", type=int, default=None, help="serve this stage (default: the one with least throughput)")
+    parser.add_argument(
+        "--stage", type=int, default=None, help="serve this stage (default: the one with least throughput)"
+    )
     parser.add_argument(
         "--trainer", action=argparse.BooleanOptionalAction, default=True, help="also run a trainer (default: yes)"
     )
     parser.add_argument(
-        "--host-maddrs", nargs="+", default=None, metavar="MADDR",
+        "--host-maddrs",
+        nargs="+",
+        default=None,
+        metavar="MADDR",
         help="multiaddrs to listen on (default: all interfaces, /ip4/0.0.0.0/tcp/0)",
     )
     parser.add_argument(
-        "--announce-maddrs", nargs="+", default=None, metavar="MADDR",
+        "--announce-maddrs",
+        nargs="+",
+        default=None,
+        metavar="MADDR",
         help="multiaddrs to tell others (e.g. your public address with an explicit port)",
     )
     parser.add_argument("--data", default=None, metavar="PATH", help="train on this text file or folder instead")
@@ -130,7 +138,9 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
         trainer = None
         if args.trainer:
             shard = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little") % manifest.data.shards
-            data = TextData.load(args.data or manifest.data.source, manifest.data.heldout_fraction, shard, manifest.data.shards)
+            data = TextData.load(
+                args.data or manifest.data.source, manifest.data.heldout_fraction, shard, manifest.data.shards
+            )
             trainer = Trainer(manifest, dht, p2p, peer_id, seed=args.seed, local_server=server)
             trainer_task = asyncio.create_task(trainer.train(data.train, stop))
             print(f"training on data shard {shard} ({len(data.train) / 1e6:.1f} MB)", flush=True)
@@ -139,7 +149,7 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=args.status_every)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             if trainer_task is not None and trainer_task.done():
                 trainer_task.result()  # surface a crash of the trainer
@@ -176,7 +186,9 @@ def print_progress(server: StageServer, trainer: Trainer | None) -> None:
     status = {"stage": server.stage, "samples_served": server.samples_served, "optimizer_steps": server.optimizer_steps}
     if trainer is not None:
         loss, speed = trainer.recent_stats()
-        status.update(trainer_loss=round(loss, 4), trainer_samples_per_second=round(speed, 2), trainer_samples=trainer.samples)
+        status.update(
+            trainer_loss=round(loss, 4), trainer_samples_per_second=round(speed, 2), trainer_samples=trainer.samples
+        )
     print(json.dumps(status), flush=True)
 
 

@@ -147,9 +147,7 @@ class StageServer(ServicerBase):
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return await self.handle("forward", request, str(context.remote_id))
 
-    async def rpc_backward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return await self.handle("backward", request, str(context.remote_id))
 
     async def rpc_forward_stream(

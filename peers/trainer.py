@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from hivemind import DHT
-from hivemind.utils import get_dht_time
 from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 
 from peers.server import StageServer, call_stage
 from swarm import protocol
@@ -177,7 +177,9 @@ class Trainer:
                 continue
             tried.add(peer_id)
             try:
-                return peer_id, await self._call_peer(peer_id, stage, kind, microbatch_id, tensors, expect, deadline, train)
+                return peer_id, await self._call_peer(
+                    peer_id, stage, kind, microbatch_id, tensors, expect, deadline, train
+                )
             except RemoteStageError as e:
                 last_error = e
                 if e.code != "busy":
@@ -187,7 +189,9 @@ class Trainer:
             except Exception as e:  # timeouts, connection errors, malformed replies
                 last_error = e
                 self._ban(peer_id, f"{kind} on stage {stage} failed: {type(e).__name__}: {e}")
-        raise MicrobatchFailedError(f"stage {stage} {kind} did not succeed before the deadline (last error: {last_error!r})")
+        raise MicrobatchFailedError(
+            f"stage {stage} {kind} did not succeed before the deadline (last error: {last_error!r})"
+        )
 
     async def _call_peer(
         self,
@@ -201,7 +205,9 @@ class Trainer:
         train: bool = True,
     ) -> list[torch.Tensor]:
         timeouts = self.manifest.training.timeouts
-        timeout = min(timeouts.forward if kind == "forward" else timeouts.backward, max(deadline - time.monotonic(), 0.1))
+        timeout = min(
+            timeouts.forward if kind == "forward" else timeouts.backward, max(deadline - time.monotonic(), 0.1)
+        )
         request = protocol.make_request(self.manifest, microbatch_id, tensors, train=train)
         batch, length = tensors[0].shape[:2]
         reply_elements = batch * length * self.manifest.model.width

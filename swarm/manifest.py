@@ -328,9 +328,15 @@ class _Fields:
         self, key: str, default: Any = _MISSING, minimum: float | None = None, maximum: float | None = None
     ) -> float:
         value = self.get(key, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value or value in (
-            float("inf"),
-            float("-inf"),
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or value != value
+            or value
+            in (
+                float("inf"),
+                float("-inf"),
+            )
         ):
             raise ManifestError(f"{self._name(key)}: must be a finite number, got {value!r}")
         self._check_range(key, value, minimum, maximum)

@@ -16,8 +16,9 @@ Error reply:       no tensors; metadata {error: message, code: bad_request | bus
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator, TypeVar
+from typing import TypeVar
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -117,10 +118,11 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
     """Check a serialized tensor's header and byte size, then deserialize it."""
     key = (proto.dtype, proto.compression)
     if key not in _BYTES_PER_ELEMENT:
+        names = {number: name for name, number in runtime_pb2.CompressionType.items()}
+        compression = names.get(proto.compression, proto.compression)
         raise BadRequestError(
-            f"{name}: dtype {proto.dtype or '(none)'!r} with compression "
-            f"{runtime_pb2.CompressionType.Name(proto.compression) if proto.compression in runtime_pb2.CompressionType.values() else proto.compression}"
-            " is not accepted (use float32 or float16 activations and int64 tokens)"
+            f"{name}: dtype {proto.dtype or '(none)'!r} with compression {compression} is not accepted "
+            "(use float32 or float16 activations and int64 tokens)"
         )
     shape = list(proto.size)
     if len(shape) > 4:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import LOOPBACK, tiny_manifest_dict
 from hivemind import DHT
 
-from conftest import LOOPBACK, tiny_manifest_dict
 from peers.server import call_stage
 from peers.trainer import Trainer
 from swarm import protocol
@@ -148,7 +148,11 @@ def test_malformed_requests_get_errors_and_leave_weights_unchanged(start_peer, w
             "tokens out of range": (stage0, "forward", request([tokens + 300])),
             "negative tokens": (stage0, "forward", request([tokens - 300])),
             "targets out of range": (stage1, "forward", request([hidden, targets + 256])),
-            "oversized batch": (stage1, "forward", request([torch.randn(batch * 4, length, width), targets.repeat(4, 1)])),
+            "oversized batch": (
+                stage1,
+                "forward",
+                request([torch.randn(batch * 4, length, width), targets.repeat(4, 1)]),
+            ),
             "too long": (stage0, "forward", request([torch.randint(0, 256, (batch, length * 2))])),
             "wrong swarm id": (stage1, "forward", request([hidden, targets], m=other)),
             "wrong protocol version": (stage1, "forward", bad_version),
@@ -169,7 +173,9 @@ def test_malformed_requests_get_errors_and_leave_weights_unchanged(start_peer, w
                 return float(protocol.decode_reply(reply, 10**8)[0])
 
             async def first_stage_output() -> torch.Tensor:
-                reply = await call_stage(p2p, stage0, "forward", request([tokens], train=False), 10, batch * length * width)
+                reply = await call_stage(
+                    p2p, stage0, "forward", request([tokens], train=False), 10, batch * length * width
+                )
                 return protocol.decode_reply(reply, 10**8)[0]
 
             before, before0 = await probe_loss(), await first_stage_output()

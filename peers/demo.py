@@ -1,0 +1,254 @@
+"""swarm-demo: a whole swarm on this machine, on loopback: peers, trainers, a progress bar and a summary."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hivemind import DHT
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from peers import runtime
+from peers.trainer import Trainer
+from swarm.data import TextData, heldout_batches
+from swarm.errors import SwarmError
+from swarm.manifest import Manifest, load_manifest
+from swarm.model import build_full_model
+from swarm.records import fetch_announcements, fetch_trainer_reports
+
+DEMO_MANIFEST = Path(__file__).resolve().parents[1] / "examples" / "demo.json"
+EVAL_BATCHES = 8
+
+EXAMPLES = """\
+examples:
+  swarm-demo                      4 peers (2 stages x 2 replicas), about 2 minutes
+  swarm-demo --duration 30 --json a short run; print the summary as one JSON line
+  swarm-demo --peers 6 --manifest my-swarm.json
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="swarm-demo",
+        description="Run a whole Swarm on this machine (loopback only): start peers, train, report held-out loss.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--peers", type=int, default=4, help="number of peers (default 4); peer k serves stage k mod S")
+    parser.add_argument("--duration", type=float, default=100.0, help="seconds of training (default 100)")
+    parser.add_argument("--manifest", default=str(DEMO_MANIFEST), help="swarm manifest (default examples/demo.json)")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+    parser.add_argument("--keep-logs", action="store_true", help="print the folder of the peers' logs and keep it")
+    args = parser.parse_args(argv)
+    if args.peers < 1:
+        parser.error("--peers must be at least 1")
+    if args.duration <= 0:
+        parser.error("--duration must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(stderr=args.json)
+    runtime.setup_logging("WARNING")
+    try:
+        manifest = load_manifest(args.manifest)
+        if args.peers < manifest.num_stages:
+            raise SwarmError(f"--peers {args.peers}: the swarm has {manifest.num_stages} stages, each needs a peer")
+        dht = runtime.start_dht([], runtime.LOOPBACK)
+    except SwarmError as e:
+        print(f"swarm-demo: error: {e}", file=sys.stderr)
+        return 2
+    logs = Path(tempfile.mkdtemp(prefix="swarm-demo-"))
+    peers: list[subprocess.Popen] = []
+    try:
+        summary = asyncio.run(run_demo(args, manifest, dht, logs, peers, console))
+    except SwarmError as e:
+        print(f"swarm-demo: error: {e}\n(peer logs: {logs})", file=sys.stderr)
+        return 1
+    finally:
+        stop_peers(peers)
+        dht.shutdown()
+    if summary is None:
+        return 130
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_summary(console, summary)
+    if args.keep_logs:
+        console.print(f"peer logs: {logs}")
+    return 0
+
+
+async def run_demo(
+    args: argparse.Namespace, manifest: Manifest, dht: DHT, logs: Path, peers: list, console: Console
+) -> dict | None:
+    stop = asyncio.Event()
+    runtime.install_stop_handlers(stop)
+    manifest = manifest.with_initial_peers([str(a) for a in dht.get_visible_maddrs()])
+    manifest_path = logs / "manifest.json"
+    manifest_path.write_text(manifest.to_json())
+
+    console.print(
+        f"[bold]Swarm demo[/]: {args.peers} peers, {manifest.num_stages} stages, swarm id {manifest.swarm_id}"
+    )
+    heldout = TextData.load_heldout(manifest.data.source, manifest.data.heldout_fraction)
+    batches = heldout_batches(heldout, EVAL_BATCHES, manifest.training.microbatch_size, manifest.model.context_length)
+    initial_loss = evaluate_fresh_model(manifest, batches)
+    console.print(f"held-out loss of the freshly initialised model: {initial_loss:.3f}")
+
+    for k in range(args.peers):
+        peers.append(start_peer(manifest_path, k % manifest.num_stages, logs / f"peer{k}.log"))
+    p2p = await dht.replicate_p2p()
+    try:
+        with console.status("starting peers (each loads torch and hivemind, joins the DHT, measures itself)..."):
+            await wait_until_served(dht, manifest, peers, logs, stop, timeout=120)
+        if stop.is_set():
+            return None
+
+        started = time.monotonic()
+        samples = 0
+        loss = float("nan")
+        with Progress(
+            TextColumn("[bold]training"),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}  {task.fields[speed]} samples/s  {task.fields[samples]} samples"),
+            TimeRemainingColumn(),
+            console=console,
+        ) as progress:
+            task = progress.add_task("train", total=args.duration, loss="-", speed="-", samples=0)
+            while not stop.is_set() and (elapsed := time.monotonic() - started) < args.duration:
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=2)
+                except TimeoutError:
+                    pass
+                check_peers_alive(peers, logs)
+                reports = await fetch_trainer_reports(dht, manifest.swarm_id)
+                if reports:
+                    samples = sum(r.samples for r in reports)
+                    losses = [r.loss for r in reports if r.loss == r.loss]
+                    loss = sum(losses) / len(losses) if losses else loss
+                    progress.update(
+                        task,
+                        completed=min(elapsed, args.duration),
+                        loss=f"{loss:.3f}",
+                        speed=f"{samples / max(elapsed, 1e-9):.1f}",
+                        samples=samples,
+                    )
+            progress.update(task, completed=args.duration)
+        if stop.is_set():
+            return None
+        train_seconds = time.monotonic() - started
+
+        with console.status("evaluating the trained swarm on held-out data..."):
+            evaluator = Trainer(manifest, dht, p2p, str(dht.peer_id), seed=0)
+            final_loss = await evaluator.evaluate(batches)
+            served = [await fetch_announcements(dht, manifest.swarm_id, s) for s in range(manifest.num_stages)]
+        return {
+            "initial_loss": round(initial_loss, 4),
+            "final_loss": round(final_loss, 4),
+            "loss_drop": round(1 - final_loss / initial_loss, 4),
+            "samples_per_second": round(samples / train_seconds, 2),
+            "samples": samples,
+            "train_seconds": round(train_seconds, 1),
+            "swarm_id": manifest.swarm_id,
+            "peers": [
+                {"peer_id": a.peer_id, "stage": a.stage, "state": a.state, "samples_served": a.samples_served}
+                for stage in served
+                for a in stage
+            ],
+        }
+    finally:
+        await p2p.shutdown()
+
+
+def evaluate_fresh_model(manifest: Manifest, batches: list) -> float:
+    """Held-out loss of the seed initialisation, which is exactly what every fresh peer starts from."""
+    model = build_full_model(manifest.model)
+    with torch.no_grad():
+        losses = [float(model.loss(model(x), y)) for x, y in batches]
+    return sum(losses) / len(losses)
+
+
+def start_peer(manifest_path: Path, stage: int, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "wb")
+    args = ["--join", str(manifest_path), "--stage", str(stage), "--host-maddrs", runtime.LOOPBACK[0]]
+    args += ["--threads", "1", "--status-every", "5", "--log-level", "WARNING"]
+    # Its own session: Ctrl-C reaches only the demo, which then stops every peer cleanly.
+    return subprocess.Popen(
+        [sys.executable, "-m", "peers.peer", *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+async def wait_until_served(dht: DHT, manifest: Manifest, peers: list, logs: Path, stop: asyncio.Event, timeout: float):
+    deadline = time.monotonic() + timeout
+    while not stop.is_set():
+        check_peers_alive(peers, logs)
+        online = [
+            sum(a.state == "online" for a in await fetch_announcements(dht, manifest.swarm_id, s))
+            for s in range(manifest.num_stages)
+        ]
+        if sum(online) >= len(peers):
+            return
+        if time.monotonic() > deadline:
+            raise SwarmError(f"peers did not come online within {timeout:.0f}s (online per stage: {online})")
+        await asyncio.sleep(0.5)
+
+
+def check_peers_alive(peers: list[subprocess.Popen], logs: Path) -> None:
+    for k, peer in enumerate(peers):
+        if peer.poll() is not None:
+            tail = (logs / f"peer{k}.log").read_text(errors="replace")[-2000:]
+            raise SwarmError(f"peer {k} exited with code {peer.returncode}; the end of its log:\n{tail}")
+
+
+def stop_peers(peers: list[subprocess.Popen], grace: float = 20.0) -> None:
+    """SIGTERM every peer (clean shutdown), then kill whatever is left of their process groups."""
+    for peer in peers:
+        if peer.poll() is None:
+            peer.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for peer in peers:
+        try:
+            peer.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(peer.pid, signal.SIGKILL)  # the peer's DHT process and p2pd, if anything is left
+        except ProcessLookupError:
+            pass
+        peer.wait()
+
+
+def print_summary(console: Console, summary: dict) -> None:
+    table = Table(title="Swarm demo: summary", show_header=False)
+    table.add_row("held-out loss before", f"{summary['initial_loss']:.3f}")
+    table.add_row("held-out loss after", f"{summary['final_loss']:.3f}  ({summary['loss_drop']:.0%} lower)")
+    table.add_row("samples per second", f"{summary['samples_per_second']:.1f}")
+    table.add_row("samples trained", str(summary["samples"]))
+    console.print(table)
+    peers = Table(title="peers")
+    for column in ("peer", "stage", "state", "samples served"):
+        peers.add_column(column)
+    for p in sorted(summary["peers"], key=lambda p: p["stage"]):
+        peers.add_row(p["peer_id"][-12:], str(p["stage"]), p["state"], str(p["samples_served"]))
+    console.print(peers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
