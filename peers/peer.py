@@ -183,7 +183,12 @@ async def choose_stage(view: SwarmView, manifest: Manifest) -> int:
 
 
 def print_progress(server: StageServer, trainer: Trainer | None) -> None:
-    status = {"stage": server.stage, "samples_served": server.samples_served, "optimizer_steps": server.optimizer_steps}
+    status = {
+        "stage": server.stage,
+        "samples_served": server.samples_served,
+        "optimizer_steps": server.optimizer_steps,
+        "recomputed_forwards": server.recomputed_forwards,
+    }
     if trainer is not None:
         loss, speed = trainer.recent_stats()
         status.update(

@@ -45,7 +45,7 @@ class UnknownMicrobatchError(Exception):
 class _CachedForward:
     inputs: torch.Tensor
     outputs: torch.Tensor
-    weights_version: int
+    weights: list[torch.Tensor]  # the weights forward ran with (stashed), so backward uses the same ones
     created: float
 
 
@@ -67,7 +67,9 @@ class StageServer(ServicerBase):
         self.throughput = throughput
         self.first = stage == 0
         self.last = stage == manifest.num_stages - 1
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        self.param_names = [name for name, _ in named]
+        self.params = [p for _, p in named]
         self.optimizer = _make_optimizer(manifest, self.params)
         self.max_elements = protocol.max_request_elements(manifest)
         self.max_message_bytes = 2 * self.max_elements * 8 + 65536
@@ -78,7 +80,10 @@ class StageServer(ServicerBase):
         self.optimizer_steps = 0
         self.samples_served = 0
         self.bad_requests = 0
+        self.recomputed_forwards = 0  # backward passes that had to recompute forward (no usable activations)
         self._cache: OrderedDict[tuple[str, str], _CachedForward] = OrderedDict()
+        self._stash: list[torch.Tensor] = []  # a copy of the current weights that optimizer steps never modify
+        self._stash_version = -1
         self._max_cached = max(8, ACTIVATION_CACHE_BYTES // _activation_bytes_estimate(manifest, stage))
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}")
@@ -222,14 +227,15 @@ class StageServer(ServicerBase):
 
         if not self.first:
             x.requires_grad_(True)
-        out = self.model(x)
         if self.last:  # the last stage runs backward at once and returns the gradient of its inputs
-            loss = StageModel.loss(out, req.tensors[1].to(self.device))
-            grads = self._gradients(loss, x, None)
+            loss = StageModel.loss(self.model(x), req.tensors[1].to(self.device))
+            grads = self._gradients(loss, x, None, self.params)
             self.samples_served += inputs.shape[0]
             result = [loss.detach().float().cpu()]
             return result if self.first else result + [grads.cpu()]
-        self._remember(caller, req.microbatch_id, x, out)
+        weights = self._stashed_weights()
+        out = self._run(x, weights)
+        self._remember(caller, req.microbatch_id, x, out, weights)
         return [out.detach().float().cpu()]
 
     def _backward(self, req: protocol.StageRequest, caller: str) -> list[torch.Tensor]:
@@ -239,15 +245,13 @@ class StageServer(ServicerBase):
             raise BadRequestError(f"backward takes [grad_outputs] or [grad_outputs, inputs], got {len(req.tensors)}")
         grad = req.tensors[0]
         cached = self._cache.pop((caller, req.microbatch_id), None)
-        if cached is not None and cached.weights_version == self.weights_version:
+        if cached is not None:
             protocol.check_grad(grad, tuple(cached.outputs.shape))
-            x, out = cached.inputs, cached.outputs
+            x, out, weights = cached.inputs, cached.outputs, cached.weights
         else:
-            # No usable activations: recompute forward with the current weights (after an optimizer step,
-            # or on a peer that did not run this microbatch's forward).
-            if cached is not None:
-                inputs = cached.inputs.detach()
-            elif len(req.tensors) == 2:
+            # No activations here (evicted, or this peer did not run the microbatch's forward, e.g. because that
+            # peer failed): recompute forward with the current weights from the inputs sent along.
+            if len(req.tensors) == 2:
                 inputs = req.tensors[1]
                 protocol.check_inputs(inputs, self.manifest, self.stage)
             else:
@@ -256,23 +260,41 @@ class StageServer(ServicerBase):
                 )
             batch, length = inputs.shape[:2]
             protocol.check_grad(grad, (batch, length, self.manifest.model.width))
+            self.recomputed_forwards += 1
             x = inputs.to(self.device)
             if not self.first:
                 x.requires_grad_(True)
-            out = self.model(x)
-        grad_inputs = self._gradients(out, x, grad.to(self.device))
+            weights = self._stashed_weights()
+            out = self._run(x, weights)
+        grad_inputs = self._gradients(out, x, grad.to(self.device), weights)
         self.samples_served += x.shape[0]
         return [] if self.first else [grad_inputs.cpu()]
 
-    def _gradients(self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+    def _stashed_weights(self) -> list[torch.Tensor]:
+        """The current weights, as tensors that later optimizer steps leave alone (weight stashing).
+
+        Forward runs with these and keeps them in its graph, so its backward computes exact gradients even if
+        optimizer steps happened in between, instead of recomputing forward. One copy per weights version.
+        """
+        if self._stash_version != self.weights_version:
+            self._stash = [p.detach().clone().requires_grad_(True) for p in self.params]
+            self._stash_version = self.weights_version
+        return self._stash
+
+    def _run(self, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(self.model, dict(zip(self.param_names, weights)), (x,))
+
+    def _gradients(
+        self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None, weights: list[torch.Tensor]
+    ) -> torch.Tensor | None:
         """Gradients of the stage's parameters (accumulated) and of its input (returned).
 
         Gradients are computed into new tensors and checked before they touch the accumulators, so a request
         that produces NaN or Inf never changes the weights.
         """
-        wrt = self.params + ([] if self.first else [x])
+        wrt = list(weights) + ([] if self.first else [x])
         grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
-        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+        if not all(g is None or protocol.all_finite(g) for g in grads):
             raise BadRequestError("the request produced non-finite gradients; it was not applied")
         scale = 1.0 / self.manifest.training.microbatches_per_step
         for param, g in zip(self.params, grads[: len(self.params)]):
@@ -296,9 +318,11 @@ class StageServer(ServicerBase):
         self.optimizer_steps += 1
         self.weights_version += 1
 
-    def _remember(self, caller: str, microbatch_id: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _remember(
+        self, caller: str, microbatch_id: str, x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor]
+    ) -> None:
         now = time.monotonic()
-        self._cache[(caller, microbatch_id)] = _CachedForward(x, out, self.weights_version, now)
+        self._cache[(caller, microbatch_id)] = _CachedForward(x, out, weights, now)
         max_age = self.manifest.training.timeouts.backward + self.manifest.training.timeouts.forward
         while self._cache:
             oldest = next(iter(self._cache.values()))

@@ -65,6 +65,8 @@ class Trainer:
         self.samples = 0
         self.microbatches = 0
         self.failed_microbatches = 0
+        self.bytes_sent = 0  # activations, gradients and tokens sent to stage peers (not counting local calls)
+        self.bytes_received = 0
         self.recent: collections.deque[tuple[float, float, int]] = collections.deque()  # (time, loss, samples)
 
     # ------------------------------------------------------------------------------------------- training
@@ -215,11 +217,13 @@ class Trainer:
             reply = await asyncio.wait_for(self.local_server.handle(kind, request, self.peer_id), timeout)
         else:
             reply = await call_stage(self.p2p, peer_id, kind, request, timeout, reply_elements)
+            self.bytes_sent += request.ByteSize()
+            self.bytes_received += reply.ByteSize()
         outputs = protocol.decode_reply(reply, self.max_elements)
         if len(outputs) != expect:
             raise RemoteStageError(f"expected {expect} tensors in the reply, got {len(outputs)}", "internal")
         for tensor in outputs:
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if tensor.is_floating_point() and not protocol.all_finite(tensor):
                 raise RemoteStageError("the reply contains NaN or Inf", "internal")
         return outputs
 

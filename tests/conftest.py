@@ -108,8 +108,24 @@ class PeerProcess:
         # zombies of the group do not count once the leader is reaped
         return _group_has_live_members(self.pgid)
 
+    def daemon_sockets(self) -> list[Path]:
+        """Unix sockets of this peer's p2pd daemons (from their command lines)."""
+        sockets = []
+        for pid in _group_members(self.pgid):
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for arg in args:
+                if arg.startswith(b"-listen=/unix/"):
+                    sockets.append(Path(arg.removeprefix(b"-listen=/unix").decode()))
+        return sockets
+
     def stop(self) -> None:
+        sockets = self.daemon_sockets()
         self.kill_group(signal.SIGKILL)
+        for path in sockets:  # a killed daemon cannot remove its socket file
+            path.unlink(missing_ok=True)
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -117,7 +133,9 @@ class PeerProcess:
         self.log_file.close()
 
 
-def _group_has_live_members(pgid: int) -> bool:
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group."""
+    members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
@@ -125,8 +143,12 @@ def _group_has_live_members(pgid: int) -> bool:
             continue
         state, group = fields[0], int(fields[2])
         if group == pgid and state != "Z":
-            return True
-    return False
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _group_has_live_members(pgid: int) -> bool:
+    return bool(_group_members(pgid))
 
 
 @pytest.fixture

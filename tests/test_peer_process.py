@@ -95,7 +95,7 @@ def test_trainer_survives_sigkill_of_a_replica(start_peer, write_manifest):
             assert time.monotonic() < deadline, f"both replicas should serve before the kill: {served()}"
             time.sleep(0.5)
 
-        victim.kill_group(signal.SIGKILL)
+        victim.stop()  # SIGKILL to the peer, its DHT process and its p2pd daemon
         killed_at = time.monotonic()
         samples_at_kill = first.status_lines()[-1]["trainer_samples"]
         survivor_at_kill = served()[survivor_id]
@@ -211,10 +211,12 @@ def test_malformed_requests_get_errors_and_leave_weights_unchanged(start_peer, w
 
 @pytest.mark.parametrize("how", ["sigterm-to-peer", "ctrl-c-to-group"])
 def test_clean_shutdown_leaves_nothing_behind(start_peer, write_manifest, how):
+    before = set(Path("/tmp").glob("hivemind-*.sock"))  # this test runs no other peer
     peer = start_peer(write_manifest(tiny_manifest_dict()), "--stage", "0", "--no-trainer")
     peer.maddr()
     peer.wait_for("serving stage 0")
-    daemon_sockets = set(Path("/tmp").glob("hivemind-p2p*.sock"))
+    ours = set(Path("/tmp").glob("hivemind-*.sock")) - before
+    assert any("p2pd" in p.name for p in ours), ours
     if how == "sigterm-to-peer":
         peer.process.send_signal(signal.SIGTERM)
     else:
@@ -225,5 +227,5 @@ def test_clean_shutdown_leaves_nothing_behind(start_peer, write_manifest, how):
     while peer.group_alive() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not peer.group_alive(), "the DHT process or p2pd daemon outlived the peer"
-    leftover = daemon_sockets & set(Path("/tmp").glob("hivemind-p2p*.sock"))
+    leftover = set(Path("/tmp").glob("hivemind-*.sock")) - before
     assert not leftover, leftover
