@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
+import tempfile
+from pathlib import Path
 
 import torch
 from hivemind import DHT
@@ -50,6 +53,7 @@ def start_dht(
             validate_multiaddrs_without_peer(addrs)
         except ValueError as e:
             raise PeerStartError(f"{flag}: {e}") from None
+    sockets_before = _daemon_sockets()
     try:
         return DHT(
             initial_peers=list(initial_peers),
@@ -60,6 +64,7 @@ def start_dht(
             startup_timeout=startup_timeout,
         )
     except Exception as e:
+        _remove_stale_sockets(_daemon_sockets() - sockets_before)
         hint = (
             "none of the manifest's initial peers could be reached; check that they are running and that "
             "their addresses are reachable from here"
@@ -67,6 +72,23 @@ def start_dht(
             else "the DHT daemon did not start"
         )
         raise PeerStartError(f"could not join the DHT: {hint} ({type(e).__name__}: {e})") from None
+
+
+def _daemon_sockets() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("hivemind-p2p*.sock"))
+
+
+def _remove_stale_sockets(paths: set[Path]) -> None:
+    """hivemind 1.1.12 leaves the p2pd socket file behind when the daemon fails to start; remove the ones
+    that nobody listens on any more (a live daemon of another peer answers, and is left alone)."""
+    for path in paths:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except ConnectionRefusedError:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 def validate_multiaddrs_without_peer(values: list[str]) -> None:

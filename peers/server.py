@@ -15,9 +15,9 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import AsyncIterator  # noqa: UP035 (hivemind detects streams by typing.AsyncIterator only)
 
 import torch
 from hivemind import DHT

@@ -108,28 +108,48 @@ class PeerProcess:
         # zombies of the group do not count once the leader is reaped
         return _group_has_live_members(self.pgid)
 
-    def daemon_sockets(self) -> list[Path]:
-        """Unix sockets of this peer's p2pd daemons (from their command lines)."""
-        sockets = []
+    def socket_files(self) -> set[Path]:
+        """Unix socket files that the peer's processes (python, DHT process, p2pd) have open."""
+        inodes = set()
         for pid in _group_members(self.pgid):
-            try:
-                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for arg in args:
-                if arg.startswith(b"-listen=/unix/"):
-                    sockets.append(Path(arg.removeprefix(b"-listen=/unix").decode()))
-        return sockets
+            for fd in Path(f"/proc/{pid}/fd").glob("*"):
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+        paths = set()
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
+                paths.add(Path(fields[7]))
+        return paths
 
-    def stop(self) -> None:
-        sockets = self.daemon_sockets()
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM (a clean shutdown), then SIGKILL the whole group; remove socket files a kill leaves."""
+        sockets = self.socket_files()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill(sockets)
+
+    def kill(self, sockets: set[Path] | None = None) -> None:
+        """SIGKILL the peer, its DHT process and its p2pd daemon at once, as if the machine died."""
+        sockets = self.socket_files() if sockets is None else sockets
         self.kill_group(signal.SIGKILL)
-        for path in sockets:  # a killed daemon cannot remove its socket file
-            path.unlink(missing_ok=True)
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        deadline = time.monotonic() + 5
+        while _group_has_live_members(self.pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for path in sockets:  # killed processes cannot remove their socket files
+            path.unlink(missing_ok=True)
         self.log_file.close()
 
 

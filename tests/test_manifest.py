@@ -6,8 +6,8 @@ import copy
 import json
 
 import pytest
-from conftest import ROOT, tiny_manifest_dict
 
+from conftest import ROOT, tiny_manifest_dict
 from swarm.errors import ManifestError
 from swarm.manifest import even_stages, load_manifest, manifest_from_dict, parse_manifest
 

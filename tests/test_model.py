@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from conftest import tiny_manifest_dict
 
+from conftest import tiny_manifest_dict
 from swarm.manifest import manifest_from_dict
 from swarm.model import build_full_model, build_stage, count_parameters
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LOOPBACK, tiny_manifest_dict
 from hivemind import DHT
 
+from conftest import LOOPBACK, tiny_manifest_dict
 from peers.server import call_stage
 from peers.trainer import Trainer
 from swarm import protocol
@@ -49,9 +49,11 @@ def test_two_stage_swarm_trains_and_heldout_loss_falls(start_peer, write_manifes
     raw["initial_peers"] = [first.maddr()]
     manifest = manifest_from_dict(raw)
     path = write_manifest(raw, "joined.json")
-    start_peer(path, "--stage", "1", "--no-trainer")
     dht = client_dht(first.maddr())
     try:
+        wait_online(dht, manifest, [1, 0])
+        second = start_peer(path, "--no-trainer")  # no --stage: it must pick the stage nobody serves
+        second.wait_for("serving stage 1")
         wait_online(dht, manifest, [1, 1])
         tokens = TextData.load("stdlib", shard=0, shards=4)
         batches = heldout_batches(tokens.heldout, 4, 8, manifest.model.context_length)
@@ -95,7 +97,7 @@ def test_trainer_survives_sigkill_of_a_replica(start_peer, write_manifest):
             assert time.monotonic() < deadline, f"both replicas should serve before the kill: {served()}"
             time.sleep(0.5)
 
-        victim.stop()  # SIGKILL to the peer, its DHT process and its p2pd daemon
+        victim.kill()  # SIGKILL to the peer, its DHT process and its p2pd daemon
         killed_at = time.monotonic()
         samples_at_kill = first.status_lines()[-1]["trainer_samples"]
         survivor_at_kill = served()[survivor_id]
@@ -229,3 +231,42 @@ def test_clean_shutdown_leaves_nothing_behind(start_peer, write_manifest, how):
     assert not peer.group_alive(), "the DHT process or p2pd daemon outlived the peer"
     leftover = set(Path("/tmp").glob("hivemind-*.sock")) - before
     assert not leftover, leftover
+
+
+def test_large_activations_go_by_stream(start_peer, write_manifest):
+    # 32 x 64 x 512 float32 activations are 4 MiB: more than one unary message may carry
+    raw = tiny_manifest_dict(
+        model={"width": 512, "heads": 8, "context_length": 64},
+        training={"microbatch_size": 32, "max_in_flight": 1},
+    )
+    manifest = manifest_from_dict(raw)
+    activation_bytes = 32 * 64 * 512 * 4
+    assert protocol.needs_stream(activation_bytes, 32 * 64 * 512)
+    first = start_peer(write_manifest(raw), "--stage", "0", "--no-trainer")
+    raw["initial_peers"] = [first.maddr()]
+    last = start_peer(write_manifest(raw, "joined.json"), "--stage", "1", "--no-trainer")
+    dht = client_dht(first.maddr())
+    try:
+        wait_online(dht, manifest, [1, 1])
+        tokens = TextData.load("stdlib", shard=1, shards=4)
+
+        async def run():
+            p2p = await dht.replicate_p2p()
+            trainer = Trainer(manifest, dht, p2p, str(dht.peer_id), seed=0)
+            await trainer.train(tokens.train, asyncio.Event(), max_samples=32 * 3)
+            # an oversized message by stream is refused while it arrives, and the peer stays up
+            huge = protocol.make_request(manifest, "big", [torch.randn(64, 64, 512), torch.zeros(64, 64).long()])
+            reply = await call_stage(p2p, last.peer_id(), "forward", huge, 30, 64 * 64 * 512)
+            with pytest.raises(RemoteStageError) as info:
+                protocol.decode_reply(reply, 10**9)
+            await p2p.shutdown()
+            return trainer, info.value
+
+        trainer, error = asyncio.run(run())
+        assert trainer.samples == 32 * 3 and trainer.failed_microbatches == 0
+        # forward out, forward in, gradient back, gradient in: four activation-sized messages per microbatch
+        assert trainer.bytes_sent + trainer.bytes_received > 3 * 4 * activation_bytes
+        assert error.code == "bad_request"
+        assert last.process.poll() is None
+    finally:
+        dht.shutdown()
