@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: never)")
     parser.add_argument("--status-every", type=float, default=10.0, help="print a status line this often (seconds)")
+    parser.add_argument("--json", action="store_true", help="print status lines as JSON (one object per line)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the trainer's data order (default: random)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
@@ -155,7 +156,7 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
                 trainer_task.result()  # surface a crash of the trainer
             if args.duration is not None and time.monotonic() - started >= args.duration:
                 stop.set()
-            print_progress(server, trainer)
+            print_progress(server, trainer, args.json)
     finally:
         stop.set()
         if trainer_task is not None:
@@ -182,19 +183,31 @@ async def choose_stage(view: SwarmView, manifest: Manifest) -> int:
     return stage
 
 
-def print_progress(server: StageServer, trainer: Trainer | None) -> None:
+def print_progress(server: StageServer, trainer: Trainer | None, as_json: bool) -> None:
     status = {
         "stage": server.stage,
         "samples_served": server.samples_served,
         "optimizer_steps": server.optimizer_steps,
         "recomputed_forwards": server.recomputed_forwards,
+        "bad_requests": server.bad_requests,
     }
     if trainer is not None:
         loss, speed = trainer.recent_stats()
         status.update(
-            trainer_loss=round(loss, 4), trainer_samples_per_second=round(speed, 2), trainer_samples=trainer.samples
+            trainer_loss=round(loss, 4),
+            trainer_samples_per_second=round(speed, 2),
+            trainer_samples=trainer.samples,
+            trainer_failed_microbatches=trainer.failed_microbatches,
         )
-    print(json.dumps(status), flush=True)
+    if as_json:
+        print(json.dumps(status), flush=True)
+        return
+    line = f"stage {server.stage}: served {server.samples_served} samples, {server.optimizer_steps} optimizer steps"
+    if trainer is not None:
+        line += f" | trainer: loss {loss:.3f}, {speed:.1f} samples/s, {trainer.samples} samples"
+        if trainer.failed_microbatches:
+            line += f", {trainer.failed_microbatches} microbatches dropped"
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -135,8 +135,9 @@ class StageServer(ServicerBase):
         )
 
     async def announce(self) -> None:
-        period = self.manifest.network.announce_period
-        lifetime = 3 * period if self.state != "offline" else period
+        # The same lifetime for every state: the DHT refuses a value that expires earlier than the one it replaces,
+        # so a shorter-lived "offline" record would be dropped.
+        lifetime = 3 * self.manifest.network.announce_period
         await store_announcement(self._dht, self.manifest.swarm_id, self.announcement(), lifetime)
 
     async def _announce_forever(self) -> None:

@@ -18,6 +18,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    # A test run stopped with SIGTERM (e.g. by a time limit) still runs the fixtures' finalizers, which stop
+    # every peer it started.
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"received signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
@@ -177,7 +188,9 @@ def start_peer(tmp_path):
     started: list[PeerProcess] = []
 
     def start(manifest_path: Path, *flags: str) -> PeerProcess:
-        args = ["--join", str(manifest_path), "--host-maddrs", LOOPBACK, "--threads", "1", *flags]
+        # --duration: even a peer orphaned by a killed test run stops by itself
+        args = ["--join", str(manifest_path), "--host-maddrs", LOOPBACK, "--threads", "1", "--json"]
+        args += ["--duration", "900", *flags]
         peer = PeerProcess(args, tmp_path / f"peer{len(started)}.log")
         started.append(peer)
         return peer

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +78,67 @@ def test_demo_trains_and_reports_json():
     assert summary["final_loss"] < summary["initial_loss"]
     assert summary["samples_per_second"] > 0
     assert sorted(p["stage"] for p in summary["peers"]) == [0, 0, 1, 1]
+
+
+def _peer_children(pid: int) -> list[int]:
+    """Child processes of `pid` that run peers.peer."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            try:
+                cmdline = (stat.parent / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"peers.peer" in cmdline:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def test_demo_ctrl_c_stops_every_peer():
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "peers.demo", "--duration", "300"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    peers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(peers) < 4 and time.monotonic() < deadline:
+            peers = _peer_children(demo.pid)
+            time.sleep(0.5)
+        assert len(peers) == 4, "the demo should start 4 peer processes"
+        time.sleep(15)  # the peers are up (or starting): Ctrl-C must stop them either way
+        os.killpg(demo.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+        assert demo.wait(timeout=60) == 130
+        deadline = time.monotonic() + 10
+        while any(_group_alive(p) for p in peers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_group_alive(p) for p in peers), "a peer, its DHT process or its p2pd outlived the demo"
+    finally:
+        for pgid in [demo.pid, *peers]:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        demo.wait(timeout=10)

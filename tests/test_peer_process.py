@@ -71,13 +71,23 @@ def test_two_stage_swarm_trains_and_heldout_loss_falls(start_peer, write_manifes
         assert trainer.samples >= 8 * 120
         assert trainer.failed_microbatches == 0
         assert after < 0.8 * before, (before, after)
+
+        # a clean shutdown leaves an "offline" announcement behind (until it expires)
+        second_id = second.peer_id()
+        second.process.send_signal(signal.SIGTERM)
+        assert second.process.wait(timeout=30) == 0
+        states = {a.peer_id: a.state for a in asyncio.run(fetch_announcements(dht, manifest.swarm_id, 1))}
+        assert states.get(second_id) == "offline", states
     finally:
         dht.shutdown()
 
 
 def test_trainer_survives_sigkill_of_a_replica(start_peer, write_manifest):
     raw = tiny_manifest_dict()
-    first = start_peer(write_manifest(raw), "--stage", "0", "--status-every", "1")  # serves stage 0 and trains
+    text = Path(write_manifest({}, "unused.json")).parent / "corpus.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n" * 2000)
+    # serves stage 0 and trains, on a text file of its own
+    first = start_peer(write_manifest(raw), "--stage", "0", "--status-every", "1", "--data", str(text))
     raw["initial_peers"] = [first.maddr()]
     manifest = manifest_from_dict(raw)
     path = write_manifest(raw, "joined.json")
@@ -97,6 +107,7 @@ def test_trainer_survives_sigkill_of_a_replica(start_peer, write_manifest):
             assert time.monotonic() < deadline, f"both replicas should serve before the kill: {served()}"
             time.sleep(0.5)
 
+        assert "training on data shard" in first.output() and "(0.1 MB)" in first.output()
         victim.kill()  # SIGKILL to the peer, its DHT process and its p2pd daemon
         killed_at = time.monotonic()
         samples_at_kill = first.status_lines()[-1]["trainer_samples"]
