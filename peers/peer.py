@@ -124,7 +124,7 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
     server: StageServer | None = None
     trainer_task: asyncio.Task | None = None
     try:
-        view = SwarmView(dht, manifest.swarm_id, manifest.num_stages, max_age=0)
+        view = SwarmView(dht, manifest.swarm_id, manifest.num_stages, max_age=manifest.network.announce_period)
         stage = args.stage if args.stage is not None else await choose_stage(view, manifest)
         model = build_stage(manifest, stage)
         throughput = measure_compute_throughput(model.to(device), manifest, device)

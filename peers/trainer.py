@@ -228,13 +228,12 @@ class Trainer:
         return outputs
 
     async def _pick(self, stage: int, tried: set[str]) -> str | None:
-        now = get_dht_time()
-        exclude = tried | {p for p, until in self.banned_until.items() if until > time.monotonic()}
-        candidates = online_peers(await self.view.stage(stage), now)
-        chosen = choose_peer(candidates, self.rng, exclude)
-        if chosen is None and len([c for c in candidates if c.peer_id not in tried]) == 0:
-            candidates = online_peers(await self.view.stage(stage, force=True), now)
-            chosen = choose_peer(candidates, self.rng, exclude)
+        now = time.monotonic()
+        exclude = tried | {p for p, until in self.banned_until.items() if until > now}
+        chosen = choose_peer(online_peers(await self.view.stage(stage), get_dht_time()), self.rng, exclude)
+        if chosen is None:  # peers may have joined since the last look
+            fresh = await self.view.stage(stage, force=True)
+            chosen = choose_peer(online_peers(fresh, get_dht_time()), self.rng, exclude)
         return None if chosen is None else chosen.peer_id
 
     def _ban(self, peer_id: str, reason: str) -> None:

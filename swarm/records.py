@@ -173,12 +173,18 @@ def _entries(found: Any) -> list[tuple[Any, Any]]:
 
 
 class SwarmView:
-    """A cached picture of the stages' announcements, refreshed from the DHT when older than `max_age`."""
+    """A cached picture of the stages' announcements, refreshed from the DHT when older than `max_age`.
 
-    def __init__(self, dht: DHT, swarm_id: str, num_stages: int, max_age: float):
-        self.dht, self.swarm_id, self.num_stages, self.max_age = dht, swarm_id, num_stages, max_age
+    Many microbatches share one view; a lock makes them wait for one refresh instead of each starting its own,
+    and a forced refresh happens at most once per `min_refresh_interval` seconds.
+    """
+
+    def __init__(self, dht: DHT, swarm_id: str, num_stages: int, max_age: float, min_refresh_interval: float = 1.0):
+        self.dht, self.swarm_id, self.num_stages = dht, swarm_id, num_stages
+        self.max_age, self.min_refresh_interval = max_age, min_refresh_interval
         self._stages: list[list[Announcement]] = [[] for _ in range(num_stages)]
         self._updated = -float("inf")
+        self._lock = asyncio.Lock()
 
     async def refresh(self) -> None:
         results = await asyncio.gather(
@@ -191,13 +197,13 @@ class SwarmView:
                 self._stages[stage] = result
         self._updated = get_dht_time()
 
-    async def stage(self, stage: int, force: bool = False) -> list[Announcement]:
-        """Announcements of one stage (all states), refreshed if stale or forced."""
-        if force or get_dht_time() - self._updated > self.max_age:
-            await self.refresh()
-        return self._stages[stage]
-
     async def all_stages(self, force: bool = False) -> list[list[Announcement]]:
-        if force or get_dht_time() - self._updated > self.max_age:
-            await self.refresh()
+        """Announcements of every stage (all states), refreshed if stale, or if forced and not just refreshed."""
+        async with self._lock:
+            age = get_dht_time() - self._updated
+            if age > self.max_age or (force and age >= self.min_refresh_interval):
+                await self.refresh()
         return list(self._stages)
+
+    async def stage(self, stage: int, force: bool = False) -> list[Announcement]:
+        return (await self.all_stages(force))[stage]
