@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,14 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_peers(peers)
         dht.shutdown()
+    if args.keep_logs:
+        console.print(f"peer logs: {logs}")
+    else:
+        shutil.rmtree(logs, ignore_errors=True)
     if summary is None:
         return 130
     if args.json:
         print(json.dumps(summary))
     else:
         print_summary(console, summary)
-    if args.keep_logs:
-        console.print(f"peer logs: {logs}")
     return 0
 
 
@@ -118,7 +121,8 @@ async def run_demo(
             return None
 
         started = time.monotonic()
-        samples = 0
+        samples, speed = 0, 0.0
+        first_poll: tuple[float, int] | None = None  # (time, samples) of the first trainer reports
         loss = float("nan")
         with Progress(
             TextColumn("[bold]training"),
@@ -137,13 +141,17 @@ async def run_demo(
                 reports = await fetch_trainer_reports(dht, manifest.swarm_id)
                 if reports:
                     samples = sum(r.samples for r in reports)
+                    # Reports lag by up to one announce period at both ends of the window, which cancels out.
+                    now = time.monotonic()
+                    first_poll = first_poll or (now, samples)
+                    speed = (samples - first_poll[1]) / max(now - first_poll[0], 1e-9)
                     losses = [r.loss for r in reports if r.loss == r.loss]
                     loss = sum(losses) / len(losses) if losses else loss
                     progress.update(
                         task,
                         completed=min(elapsed, args.duration),
                         loss=f"{loss:.3f}",
-                        speed=f"{samples / max(elapsed, 1e-9):.1f}",
+                        speed=f"{speed:.1f}",
                         samples=samples,
                     )
             progress.update(task, completed=args.duration)
@@ -159,7 +167,7 @@ async def run_demo(
             "initial_loss": round(initial_loss, 4),
             "final_loss": round(final_loss, 4),
             "loss_drop": round(1 - final_loss / initial_loss, 4),
-            "samples_per_second": round(samples / train_seconds, 2),
+            "samples_per_second": round(speed, 2),
             "samples": samples,
             "train_seconds": round(train_seconds, 1),
             "swarm_id": manifest.swarm_id,
