@@ -198,15 +198,19 @@ def print_progress(server: StageServer, trainer: Trainer | None, as_json: bool) 
             trainer_samples_per_second=round(speed, 2),
             trainer_samples=trainer.samples,
             trainer_failed_microbatches=trainer.failed_microbatches,
+            unserved_stages=sorted(trainer.unserved_stages),
         )
     if as_json:
         print(json.dumps(status), flush=True)
         return
     line = f"stage {server.stage}: served {server.samples_served} samples, {server.optimizer_steps} optimizer steps"
     if trainer is not None:
-        line += f" | trainer: loss {loss:.3f}, {speed:.1f} samples/s, {trainer.samples} samples"
+        shown_loss = f"{loss:.3f}" if loss == loss else "-"  # NaN until the first microbatch completes
+        line += f" | trainer: loss {shown_loss}, {speed:.1f} samples/s, {trainer.samples} samples"
         if trainer.failed_microbatches:
             line += f", {trainer.failed_microbatches} microbatches dropped"
+        if trainer.unserved_stages:
+            line += f" | waiting for a peer to serve stage {', '.join(map(str, sorted(trainer.unserved_stages)))}"
     print(line, flush=True)
 
 

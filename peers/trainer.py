@@ -62,6 +62,7 @@ class Trainer:
         self.rng = random.Random(seed)
         self.max_elements = protocol.max_request_elements(manifest)
         self.banned_until: dict[str, float] = {}
+        self.unserved_stages: set[int] = set()  # stages with no online peer at the last look
         self.samples = 0
         self.microbatches = 0
         self.failed_microbatches = 0
@@ -232,8 +233,13 @@ class Trainer:
         exclude = tried | {p for p, until in self.banned_until.items() if until > now}
         chosen = choose_peer(online_peers(await self.view.stage(stage), get_dht_time()), self.rng, exclude)
         if chosen is None:  # peers may have joined since the last look
-            fresh = await self.view.stage(stage, force=True)
-            chosen = choose_peer(online_peers(fresh, get_dht_time()), self.rng, exclude)
+            online = online_peers(await self.view.stage(stage, force=True), get_dht_time())
+            chosen = choose_peer(online, self.rng, exclude)
+            if not online and stage not in self.unserved_stages:
+                logger.warning(f"no online peer serves stage {stage}; waiting for one to join")
+            (self.unserved_stages.discard if online else self.unserved_stages.add)(stage)
+        else:
+            self.unserved_stages.discard(stage)
         return None if chosen is None else chosen.peer_id
 
     def _ban(self, peer_id: str, reason: str) -> None:
