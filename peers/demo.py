@@ -190,18 +190,18 @@ def evaluate_fresh_model(manifest: Manifest, batches: list) -> float:
 
 
 def start_peer(manifest_path: Path, stage: int, log_path: Path, trainer: bool = True) -> subprocess.Popen:
-    log = open(log_path, "wb")
     args = ["--join", str(manifest_path), "--stage", str(stage), "--host-maddrs", runtime.LOOPBACK[0]]
     args += ["--threads", "1", "--status-every", "5", "--log-level", "WARNING", "--json"]
     args += [] if trainer else ["--no-trainer"]
     # Its own session: Ctrl-C reaches only the demo, which then stops every peer cleanly.
-    return subprocess.Popen(
-        [sys.executable, "-m", "peers.peer", *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    with open(log_path, "wb") as log:  # the child keeps its own copy of the file descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "peers.peer", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
 
 async def wait_until_served(dht: DHT, manifest: Manifest, peers: list, logs: Path, stop: asyncio.Event, timeout: float):

@@ -194,7 +194,7 @@ def print_progress(server: StageServer, trainer: Trainer | None, as_json: bool) 
     if trainer is not None:
         loss, speed = trainer.recent_stats()
         status.update(
-            trainer_loss=round(loss, 4),
+            trainer_loss=round(loss, 4) if loss == loss else None,  # JSON has no NaN
             trainer_samples_per_second=round(speed, 2),
             trainer_samples=trainer.samples,
             trainer_failed_microbatches=trainer.failed_microbatches,

@@ -72,14 +72,14 @@ class StageServer(ServicerBase):
         self.params = [p for _, p in named]
         self.optimizer = _make_optimizer(manifest, self.params)
         self.max_elements = protocol.max_request_elements(manifest)
-        self.max_message_bytes = 2 * self.max_elements * 8 + 65536
+        self.max_message_bytes = protocol.max_message_bytes(manifest)
 
-        # mutable state, touched only in the worker thread (except the counters read for announcements)
+        # Model state: touched only in the worker thread. Counters are read by the event loop for announcements.
         self.weights_version = 0  # bumps on every optimizer step
         self.backward_passes = 0  # since the last optimizer step
         self.optimizer_steps = 0
         self.samples_served = 0
-        self.bad_requests = 0
+        self.bad_requests = 0  # counted in both threads; an occasional lost increment does not matter
         self.recomputed_forwards = 0  # backward passes that had to recompute forward (no usable activations)
         self._cache: OrderedDict[tuple[str, str], _CachedForward] = OrderedDict()
         self._stash: list[torch.Tensor] = []  # a copy of the current weights that optimizer steps never modify
@@ -171,31 +171,47 @@ class StageServer(ServicerBase):
     async def _handle_stream(
         self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
+        # A stream holds memory while it arrives: it takes a request slot and has the forward timeout to finish.
+        if (refusal := self._refusal()) is not None:
+            return refusal
+        self._pending += 1
         try:
-            request = await protocol.combine_message(requests, runtime_pb2.ExpertRequest, self.max_message_bytes)
-        except BadRequestError as e:
+            combine = protocol.combine_message(requests, runtime_pb2.ExpertRequest, self.max_message_bytes)
+            request = await asyncio.wait_for(combine, timeout=self.manifest.training.timeouts.forward)
+        except (BadRequestError, TimeoutError) as e:
             self.bad_requests += 1
-            return protocol.make_error_reply(str(e), "bad_request")
+            return protocol.make_error_reply(str(e) or "the request stream did not finish in time", "bad_request")
+        finally:
+            self._pending -= 1
         return await self.handle(kind, request, str(context.remote_id))
 
-    async def handle(self, kind: str, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
-        """Process one request; also called directly by this peer's own trainer (libp2p cannot dial itself)."""
+    def _refusal(self) -> runtime_pb2.ExpertResponse | None:
         if self.state != "online":
             return protocol.make_error_reply(f"this peer is {self.state}; try another peer", "busy")
         if self._pending >= MAX_PENDING_REQUESTS:
             return protocol.make_error_reply("too many requests in flight; try another peer", "busy")
+        return None
+
+    async def handle(self, kind: str, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
+        """Process one request; also called directly by this peer's own trainer (libp2p cannot dial itself)."""
+        if (refusal := self._refusal()) is not None:
+            return refusal
         self._pending += 1
-        try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self._process, kind, request, caller)
-        finally:
-            self._pending -= 1
+        work = asyncio.get_running_loop().run_in_executor(self._executor, self._process, kind, request, caller)
+        # The slot is freed when the work is done, not when the caller gives up: cancelled calls still occupy
+        # the worker until their turn has passed.
+        work.add_done_callback(self._release_slot)
+        return await asyncio.shield(work)
+
+    def _release_slot(self, _: asyncio.Future) -> None:
+        self._pending -= 1
 
     # ---------------------------------------------------------------------------- work (worker thread only)
 
     def _process(self, kind: str, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
         try:
-            req = protocol.decode_request(kind, request, self.manifest, self.max_elements)
+            req = protocol.decode_request(request, self.manifest, self.max_elements)
+            self._forget_stale_forwards()
             outputs = self._forward(req, caller) if kind == "forward" else self._backward(req, caller)
             return protocol.make_reply(outputs, self.manifest.training.activation_compression)
         except BadRequestError as e:
@@ -245,9 +261,11 @@ class StageServer(ServicerBase):
         if len(req.tensors) not in (1, 2):
             raise BadRequestError(f"backward takes [grad_outputs] or [grad_outputs, inputs], got {len(req.tensors)}")
         grad = req.tensors[0]
-        cached = self._cache.pop((caller, req.microbatch_id), None)
+        key = (caller, req.microbatch_id)
+        cached = self._cache.get(key)
         if cached is not None:
-            protocol.check_grad(grad, tuple(cached.outputs.shape))
+            protocol.check_grad(grad, tuple(cached.outputs.shape))  # a bad gradient leaves the activations cached
+            del self._cache[key]
             x, out, weights = cached.inputs, cached.outputs, cached.weights
         else:
             # No activations here (evicted, or this peer did not run the microbatch's forward, e.g. because that
@@ -322,19 +340,19 @@ class StageServer(ServicerBase):
     def _remember(
         self, caller: str, microbatch_id: str, x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor]
     ) -> None:
-        now = time.monotonic()
-        self._cache[(caller, microbatch_id)] = _CachedForward(x, out, weights, now)
-        max_age = self.manifest.training.timeouts.backward + self.manifest.training.timeouts.forward
-        while self._cache:
-            oldest = next(iter(self._cache.values()))
-            if len(self._cache) > self._max_cached or now - oldest.created > max_age:
-                self._cache.popitem(last=False)
-            else:
-                break
+        key = (caller, microbatch_id)
+        self._cache[key] = _CachedForward(x, out, weights, time.monotonic())
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._max_cached:
+            self._cache.popitem(last=False)
 
-    def run_in_worker(self, fn, *args):
-        """Run fn in the worker thread (the only thread that touches the model); returns an awaitable."""
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    def _forget_stale_forwards(self) -> None:
+        """Drop activations whose microbatch deadline has passed: their trainer has given up on them."""
+        now = time.monotonic()
+        while (
+            self._cache and now - next(iter(self._cache.values())).created > self.manifest.training.timeouts.microbatch
+        ):
+            self._cache.popitem(last=False)
 
 
 def _make_optimizer(manifest: Manifest, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -370,6 +388,7 @@ async def call_stage(
                 yield part
 
         replies = await getattr(stub, f"rpc_{kind}_stream")(parts())
-        return await protocol.combine_message(replies, runtime_pb2.ExpertResponse, 1 << 40)
+        # a reply holds at most the loss and one activation-sized tensor
+        return await protocol.combine_message(replies, runtime_pb2.ExpertResponse, reply_elements * 4 + 4096)
 
     return await asyncio.wait_for(exchange(), timeout=timeout)

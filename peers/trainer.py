@@ -112,25 +112,32 @@ class Trainer:
         microbatch_id = uuid.uuid4().hex
         deadline = time.monotonic() + self.manifest.training.timeouts.microbatch
         last = self.manifest.num_stages - 1
+        hidden = (*inputs.shape, self.manifest.model.width)  # shape of activations and their gradients
         hops: list[_Hop] = []
         x = inputs
         for stage in range(last):
-            peer_id, (x_next,) = await self._call(stage, "forward", microbatch_id, [x], deadline, expect=1)
+            peer_id, (x_next,) = await self._call(stage, "forward", microbatch_id, [x], [hidden], deadline)
             hops.append(_Hop(peer_id, x))
             x = x_next
-        _, outputs = await self._call(last, "forward", microbatch_id, [x, targets], deadline, expect=2 if last else 1)
-        loss = float(outputs[0])
-        grad = outputs[1] if last else None
+        expect = [(), hidden] if last else [()]  # the loss, and the gradient of the last stage's inputs
+        _, outputs = await self._call(last, "forward", microbatch_id, [x, targets], expect, deadline)
+        loss, grad = float(outputs[0]), outputs[-1]
         for stage in reversed(range(last)):
             hop = hops[stage]
-            expect = 0 if stage == 0 else 1
+            expect = [] if stage == 0 else [hidden]
             try:  # the peer that ran forward still holds the activations: send only the gradient
-                outputs = await self._call_peer(hop.peer_id, stage, "backward", microbatch_id, [grad], expect, deadline)
-            except Exception as e:
-                logger.debug(f"backward on {hop.peer_id[-8:]} failed ({e!r}); recomputing elsewhere")
+                outputs = await self._call_peer(hop.peer_id, "backward", microbatch_id, [grad], expect, deadline)
+            except RemoteStageError as e:
+                if e.code != "unknown_microbatch":
+                    self._ban(hop.peer_id, f"backward on stage {stage}: {e}")
+                # the peer lost the activations (or is busy): let it, or another peer, recompute from the inputs
+                prefer = hop.peer_id if e.code in ("unknown_microbatch", "busy") else None
                 _, outputs = await self._call(
-                    stage, "backward", microbatch_id, [grad, hop.inputs], deadline, expect=expect, prefer=hop.peer_id
+                    stage, "backward", microbatch_id, [grad, hop.inputs], expect, deadline, prefer=prefer
                 )
+            except Exception as e:  # timeout or connection failure: the peer may still be working on it
+                self._ban(hop.peer_id, f"backward on stage {stage} failed: {type(e).__name__}: {e}")
+                _, outputs = await self._call(stage, "backward", microbatch_id, [grad, hop.inputs], expect, deadline)
             grad = outputs[0] if expect else None
         return loss, inputs.shape[0]
 
@@ -140,21 +147,21 @@ class Trainer:
         """Mean loss of the swarm's current model on the given batches (forward only, nothing is trained)."""
         deadline = time.monotonic() + timeout
         semaphore = asyncio.Semaphore(self.manifest.training.max_in_flight)
+        last = self.manifest.num_stages - 1
 
         async def one(inputs: torch.Tensor, targets: torch.Tensor) -> float:
             async with semaphore:
                 microbatch_id = uuid.uuid4().hex
-                last = self.manifest.num_stages - 1
+                hidden = (*inputs.shape, self.manifest.model.width)
                 x = inputs
                 for stage in range(last):
-                    _, (x,) = await self._call(stage, "forward", microbatch_id, [x], deadline, expect=1, train=False)
-                _, (loss,) = await self._call(
-                    last, "forward", microbatch_id, [x, targets], deadline, expect=1, train=False
-                )
+                    _, (x,) = await self._call(stage, "forward", microbatch_id, [x], [hidden], deadline, train=False)
+                _, (loss,) = await self._call(last, "forward", microbatch_id, [x, targets], [()], deadline, train=False)
                 return float(loss)
 
-        losses = await asyncio.gather(*[one(*batch) for batch in batches])
-        return float(np.mean(losses))
+        async with asyncio.TaskGroup() as group:  # the first failure cancels the rest
+            tasks = [group.create_task(one(*batch)) for batch in batches]
+        return float(np.mean([task.result() for task in tasks]))
 
     # ---------------------------------------------------------------------------------------------- calls
 
@@ -164,12 +171,12 @@ class Trainer:
         kind: str,
         microbatch_id: str,
         tensors: list[torch.Tensor],
+        expect: list[tuple[int, ...]],
         deadline: float,
-        expect: int,
         train: bool = True,
         prefer: str | None = None,
     ) -> tuple[str, list[torch.Tensor]]:
-        """Call some online peer of `stage`, retrying on other peers until the deadline."""
+        """Call some online peer of `stage` (`prefer` first), retrying on other peers until the deadline."""
         tried: set[str] = set()
         last_error: Exception | None = None
         while time.monotonic() < deadline:
@@ -180,16 +187,14 @@ class Trainer:
                 continue
             tried.add(peer_id)
             try:
-                return peer_id, await self._call_peer(
-                    peer_id, stage, kind, microbatch_id, tensors, expect, deadline, train
-                )
+                return peer_id, await self._call_peer(peer_id, kind, microbatch_id, tensors, expect, deadline, train)
             except RemoteStageError as e:
                 last_error = e
                 if e.code != "busy":
                     self._ban(peer_id, f"{kind} on stage {stage}: {e}")
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # timeouts, connection errors, malformed replies
+            except Exception as e:  # timeouts, connection errors
                 last_error = e
                 self._ban(peer_id, f"{kind} on stage {stage} failed: {type(e).__name__}: {e}")
         raise MicrobatchFailedError(
@@ -199,21 +204,20 @@ class Trainer:
     async def _call_peer(
         self,
         peer_id: str,
-        stage: int,
         kind: str,
         microbatch_id: str,
         tensors: list[torch.Tensor],
-        expect: int,
+        expect: list[tuple[int, ...]],
         deadline: float,
         train: bool = True,
     ) -> list[torch.Tensor]:
+        """One call to one peer; the reply must hold float32 tensors of exactly the `expect`ed shapes."""
         timeouts = self.manifest.training.timeouts
         timeout = min(
             timeouts.forward if kind == "forward" else timeouts.backward, max(deadline - time.monotonic(), 0.1)
         )
         request = protocol.make_request(self.manifest, microbatch_id, tensors, train=train)
-        batch, length = tensors[0].shape[:2]
-        reply_elements = batch * length * self.manifest.model.width
+        reply_elements = self.max_elements
         if self.local_server is not None and peer_id == self.peer_id:
             reply = await asyncio.wait_for(self.local_server.handle(kind, request, self.peer_id), timeout)
         else:
@@ -221,23 +225,28 @@ class Trainer:
             self.bytes_sent += request.ByteSize()
             self.bytes_received += reply.ByteSize()
         outputs = protocol.decode_reply(reply, self.max_elements)
-        if len(outputs) != expect:
-            raise RemoteStageError(f"expected {expect} tensors in the reply, got {len(outputs)}", "internal")
-        for tensor in outputs:
-            if tensor.is_floating_point() and not protocol.all_finite(tensor):
-                raise RemoteStageError("the reply contains NaN or Inf", "internal")
+        shapes = [tuple(t.shape) for t in outputs]
+        if shapes != [tuple(e) for e in expect] or any(t.dtype != torch.float32 for t in outputs):
+            raise RemoteStageError(
+                f"malformed reply: expected float32 tensors of shapes {expect}, got {shapes}", "internal"
+            )
+        if not all(protocol.all_finite(t) for t in outputs):
+            raise RemoteStageError("the reply contains NaN or Inf", "internal")
         return outputs
 
     async def _pick(self, stage: int, tried: set[str]) -> str | None:
         now = time.monotonic()
-        exclude = tried | {p for p, until in self.banned_until.items() if until > now}
+        self.banned_until = {p: until for p, until in self.banned_until.items() if until > now}
+        exclude = tried | set(self.banned_until)
         chosen = choose_peer(online_peers(await self.view.stage(stage), get_dht_time()), self.rng, exclude)
         if chosen is None:  # peers may have joined since the last look
             online = online_peers(await self.view.stage(stage, force=True), get_dht_time())
             chosen = choose_peer(online, self.rng, exclude)
-            if not online and stage not in self.unserved_stages:
+            if online:
+                self.unserved_stages.discard(stage)
+            elif stage not in self.unserved_stages:
+                self.unserved_stages.add(stage)
                 logger.warning(f"no online peer serves stage {stage}; waiting for one to join")
-            (self.unserved_stages.discard if online else self.unserved_stages.add)(stage)
         else:
             self.unserved_stages.discard(stage)
         return None if chosen is None else chosen.peer_id

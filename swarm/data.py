@@ -90,19 +90,22 @@ class TextData:
     @classmethod
     def load(cls, source: str, heldout_fraction: float = 0.05, shard: int | None = None, shards: int = 1) -> TextData:
         train_files, heldout_files = split_files(source, heldout_fraction, shard, shards)
-        if train_files == heldout_files:  # one file: hold out its tail
-            tokens = load_tokens(train_files)
-            cut = int(len(tokens) * (1 - heldout_fraction))
-            return cls(train=tokens[:cut], heldout=tokens[cut:])
+        if train_files == heldout_files:
+            return cls(*_split_tail(load_tokens(train_files), heldout_fraction))
         return cls(train=load_tokens(train_files), heldout=load_tokens(heldout_files))
 
     @classmethod
     def load_heldout(cls, source: str, heldout_fraction: float = 0.05) -> np.ndarray:
         train_files, heldout_files = split_files(source, heldout_fraction)
         if train_files == heldout_files:
-            tokens = load_tokens(train_files)
-            return tokens[int(len(tokens) * (1 - heldout_fraction)) :]
+            return _split_tail(load_tokens(train_files), heldout_fraction)[1]
         return load_tokens(heldout_files)
+
+
+def _split_tail(tokens: np.ndarray, heldout_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """A corpus of one file: its last `heldout_fraction` is held out."""
+    cut = int(len(tokens) * (1 - heldout_fraction))
+    return tokens[:cut], tokens[cut:]
 
 
 def sample_batch(

@@ -28,10 +28,6 @@ class RemoteStageError(SwarmError):
         self.code = code
 
 
-class NoPeersError(SwarmError):
-    """No online peer serves a stage the caller needs."""
-
-
 class MicrobatchFailedError(SwarmError):
     """A microbatch could not be completed within its deadline, after retries."""
 

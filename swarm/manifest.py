@@ -9,8 +9,10 @@ swarm can be published with different bootstrap addresses, while any change of s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +103,7 @@ class Manifest:
             result["initial_peers"] = list(self.initial_peers)
         return result
 
-    @property
+    @functools.cached_property
     def swarm_id(self) -> str:
         """Hash of the canonical manifest without initial peers: prefixes every DHT key of this swarm."""
         canonical = json.dumps(self.to_dict(with_peers=False), sort_keys=True, separators=(",", ":"))
@@ -181,7 +183,8 @@ def manifest_from_dict(raw: Any) -> Manifest:
         optimizer=t.choice("optimizer", OPTIMIZERS, default="adamw"),
         learning_rate=t.number("learning_rate", default=1e-3, minimum=0.0, maximum=100.0),
         weight_decay=t.number("weight_decay", default=0.01, minimum=0.0, maximum=100.0),
-        max_grad_norm=t.number("max_grad_norm", default=1.0, minimum=0.0),
+        # required: clipping bounds what one (possibly hostile) gradient can do to the weights
+        max_grad_norm=t.number("max_grad_norm", default=1.0, minimum=1e-6),
         max_in_flight=t.integer("max_in_flight", default=4, minimum=1, maximum=1024),
         activation_compression=t.choice("activation_compression", ACTIVATION_COMPRESSIONS, default="float32"),
         timeouts=timeouts,
@@ -328,16 +331,7 @@ class _Fields:
         self, key: str, default: Any = _MISSING, minimum: float | None = None, maximum: float | None = None
     ) -> float:
         value = self.get(key, default)
-        if (
-            not isinstance(value, (int, float))
-            or isinstance(value, bool)
-            or value != value
-            or value
-            in (
-                float("inf"),
-                float("-inf"),
-            )
-        ):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise ManifestError(f"{self._name(key)}: must be a finite number, got {value!r}")
         self._check_range(key, value, minimum, maximum)
         return float(value)

@@ -52,9 +52,8 @@ ERROR_CODES = ("bad_request", "busy", "unknown_microbatch", "internal")
 
 @dataclass
 class StageRequest:
-    """A decoded, validated request."""
+    """A decoded request: metadata and tensor headers validated, shapes not yet checked against the stage."""
 
-    kind: str  # "forward" or "backward"
     microbatch_id: str
     train: bool
     tensors: list[torch.Tensor]
@@ -136,17 +135,12 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
     if proto.requires_grad:
         proto.requires_grad = False
     try:
-        return deserialize_torch_tensor(proto).float() if proto.dtype == "float32" else deserialize_torch_tensor(proto)
+        return deserialize_torch_tensor(proto)
     except Exception as e:
         raise BadRequestError(f"{name}: cannot be deserialized ({type(e).__name__})") from None
 
 
-def decode_request(
-    kind: str,
-    request: runtime_pb2.ExpertRequest,
-    manifest: Manifest,
-    max_elements: int,
-) -> StageRequest:
+def decode_request(request: runtime_pb2.ExpertRequest, manifest: Manifest, max_elements: int) -> StageRequest:
     """Validate the metadata and tensor headers of a request (not yet its shapes against the stage)."""
     try:
         metadata = MSGPackSerializer.loads(request.metadata)
@@ -172,7 +166,7 @@ def decode_request(
     if len(request.tensors) > 2:
         raise BadRequestError(f"{len(request.tensors)} tensors sent, at most 2 are accepted")
     tensors = [decode_tensor(t, max_elements, f"tensor {i}") for i, t in enumerate(request.tensors)]
-    return StageRequest(kind=kind, microbatch_id=microbatch_id, train=train, tensors=tensors)
+    return StageRequest(microbatch_id=microbatch_id, train=train, tensors=tensors)
 
 
 # ---------------------------------------------------------------------------------- checks for one stage
@@ -230,9 +224,16 @@ def all_finite(tensor: torch.Tensor) -> bool:
 
 
 def max_request_elements(manifest: Manifest) -> int:
-    """The largest tensor any valid request or reply can hold (a microbatch of hidden states or logits)."""
+    """The largest tensor any valid request or reply holds: a microbatch of hidden states."""
     config, training = manifest.model, manifest.training
-    return training.microbatch_size * config.context_length * max(config.width, config.vocab_size)
+    return training.microbatch_size * config.context_length * config.width
+
+
+def max_message_bytes(manifest: Manifest) -> int:
+    """The most tensor bytes a valid request carries: hidden states and tokens or a gradient, float32."""
+    return (
+        2 * max_request_elements(manifest) * 4 + manifest.training.microbatch_size * manifest.model.context_length * 8
+    )
 
 
 def _describe(tensor: torch.Tensor) -> str:
@@ -257,21 +258,33 @@ def split_message(message: Message) -> list[Message]:
 
 
 async def combine_message(parts: AsyncIterator[Message], message_type: type[Message], max_bytes: int) -> Message:
-    """Rebuild a message from stream parts, refusing more than max_bytes of tensor data."""
-    metadata = None
+    """Rebuild a message from stream parts, refusing more than max_bytes in all (parts counted whole) and
+    empty chunks. Chunks are copied, so that no part (with whatever else it carries) stays in memory."""
+    metadata = b""
     tensors: list[list[runtime_pb2.Tensor]] = []
     total = 0
-    async for part in parts:
-        if metadata is None:
-            metadata = part.metadata
+    async for index, part in _enumerate(parts):
+        total += part.ByteSize()
+        if total > max_bytes + 65536:
+            raise BadRequestError(f"the message is larger than the {max_bytes} bytes this peer accepts")
+        if index == 0:
+            metadata = bytes(part.metadata)
         for chunk in part.tensors:
-            total += len(chunk.buffer)
-            if total > max_bytes:
-                raise BadRequestError(f"the message is larger than the {max_bytes} bytes this stage accepts")
+            if not chunk.buffer:
+                raise BadRequestError("a stream chunk is empty")
+            copy = runtime_pb2.Tensor()
+            copy.CopyFrom(chunk)
             if chunk.dtype or not tensors:
-                tensors.append([chunk])
+                tensors.append([copy])
             else:
-                tensors[-1].append(chunk)
+                tensors[-1].append(copy)
             if len(tensors) > 2:
                 raise BadRequestError(f"{len(tensors)} tensors sent, at most 2 are accepted")
-    return message_type(metadata=metadata or b"", tensors=[combine_from_streaming(t) for t in tensors])
+    return message_type(metadata=metadata, tensors=[combine_from_streaming(t) for t in tensors])
+
+
+async def _enumerate(parts: AsyncIterator[Message]) -> AsyncIterator[tuple[int, Message]]:
+    index = 0
+    async for part in parts:
+        yield index, part
+        index += 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,6 +21,10 @@ logger = logging.getLogger(__name__)
 
 STATES = ("joining", "online", "offline")
 MAX_TEXT = 128
+MAX_COUNT = 2**53
+MAX_THROUGHPUT = 1e6  # samples per second; far above any real device for the models this runs
+MAX_LIFETIME = 3600.0  # records that claim to live longer than this are dropped on read
+DHT_TIMEOUT = 10.0  # seconds for one DHT read or write
 
 
 def stage_key(swarm_id: str, stage: int) -> str:
@@ -76,45 +79,40 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
             return None
         ann = Announcement(
             peer_id=_text(record["peer_id"]),
-            stage=int(record["stage"]),
-            state=record["state"],
-            throughput=float(record["throughput"]),
-            samples_served=int(record["samples_served"]),
+            stage=_count(record["stage"]),
+            state=_text(record["state"]),
+            throughput=_rate(record["throughput"]),
+            samples_served=_count(record["samples_served"]),
             device=_text(record["device"]),
             version=_text(record["version"]),
             expiration=float(expiration),
         )
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, ValueError):
         return None
-    if (
-        ann.peer_id != subkey
-        or ann.stage != stage
-        or ann.state not in STATES
-        or not math.isfinite(ann.throughput)
-        or ann.throughput < 0
-        or ann.samples_served < 0
-    ):
+    if ann.peer_id != subkey or ann.stage != stage or ann.state not in STATES:
         return None
     return ann
 
 
 def parse_trainer_report(subkey: Any, record: Any, expiration: float) -> TrainerReport | None:
+    """Validate one trainer report read from the DHT; None if it is malformed."""
     try:
         if not isinstance(record, dict):
             return None
+        loss = record["loss"]
+        if not isinstance(loss, float) or not (loss != loss or 0 <= loss < 1e6):  # NaN: no microbatch done yet
+            return None
         report = TrainerReport(
             peer_id=_text(record["peer_id"]),
-            loss=float(record["loss"]),
-            samples_per_second=float(record["samples_per_second"]),
-            samples=int(record["samples"]),
-            failed_microbatches=int(record["failed_microbatches"]),
+            loss=loss,
+            samples_per_second=_rate(record["samples_per_second"]),
+            samples=_count(record["samples"]),
+            failed_microbatches=_count(record["failed_microbatches"]),
             expiration=float(expiration),
         )
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, ValueError):
         return None
-    if report.peer_id != subkey or report.samples < 0 or not math.isfinite(report.samples_per_second):
-        return None
-    return report
+    return report if report.peer_id == subkey else None
 
 
 def _text(value: Any) -> str:
@@ -123,32 +121,47 @@ def _text(value: Any) -> str:
     return value
 
 
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
+        raise ValueError("not a count")
+    return value
+
+
+def _rate(value: Any) -> float:
+    """A throughput: finite, non-negative and at most MAX_THROUGHPUT (a stranger's claim must not swamp routing)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= MAX_THROUGHPUT:
+        raise ValueError("not a throughput")  # NaN fails the range check too
+    return float(value)
+
+
 # ------------------------------------------------------------------------------------------------ DHT I/O
 
 
 async def store_announcement(dht: DHT, swarm_id: str, ann: Announcement, lifetime: float) -> bool:
-    return await dht.store(
+    future = dht.store(
         stage_key(swarm_id, ann.stage),
         ann.to_record(),
         expiration_time=get_dht_time() + lifetime,
         subkey=ann.peer_id,
         return_future=True,
     )
+    return await asyncio.wait_for(future, DHT_TIMEOUT)
 
 
 async def store_trainer_report(dht: DHT, swarm_id: str, report: TrainerReport, lifetime: float) -> bool:
-    return await dht.store(
+    future = dht.store(
         trainers_key(swarm_id),
         report.to_record(),
         expiration_time=get_dht_time() + lifetime,
         subkey=report.peer_id,
         return_future=True,
     )
+    return await asyncio.wait_for(future, DHT_TIMEOUT)
 
 
 async def fetch_announcements(dht: DHT, swarm_id: str, stage: int) -> list[Announcement]:
     """All valid, unexpired announcements of a stage (any state)."""
-    found = await dht.get(stage_key(swarm_id, stage), latest=True, return_future=True)
+    found = await asyncio.wait_for(dht.get(stage_key(swarm_id, stage), latest=True, return_future=True), DHT_TIMEOUT)
     return [
         ann
         for subkey, item in _entries(found)
@@ -157,7 +170,7 @@ async def fetch_announcements(dht: DHT, swarm_id: str, stage: int) -> list[Annou
 
 
 async def fetch_trainer_reports(dht: DHT, swarm_id: str) -> list[TrainerReport]:
-    found = await dht.get(trainers_key(swarm_id), latest=True, return_future=True)
+    found = await asyncio.wait_for(dht.get(trainers_key(swarm_id), latest=True, return_future=True), DHT_TIMEOUT)
     return [
         report
         for subkey, item in _entries(found)
@@ -169,7 +182,11 @@ def _entries(found: Any) -> list[tuple[Any, Any]]:
     if found is None or not isinstance(found.value, dict):
         return []
     now = get_dht_time()
-    return [(subkey, item) for subkey, item in found.value.items() if item.expiration_time > now]
+    return [
+        (subkey, item)
+        for subkey, item in found.value.items()
+        if now < item.expiration_time <= now + MAX_LIFETIME  # far-future records would outlive their owner
+    ]
 
 
 class SwarmView:

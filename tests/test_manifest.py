@@ -91,6 +91,7 @@ BAD_FIELDS = [
     ("training.learning_rate", -1, "training.learning_rate"),
     ("training.learning_rate", float("nan"), "training.learning_rate"),
     ("training.activation_compression", "int3", "training.activation_compression"),
+    ("training.max_grad_norm", 0, "training.max_grad_norm"),
     ("training.timeouts", {"forward": 0}, "training.timeouts.forward"),
     ("training.timeouts", {"backwards": 3}, "training.timeouts.backwards"),
     ("data.source", 7, "data.source"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import random
 
-from swarm.records import Announcement, parse_announcement
+from swarm.records import Announcement, TrainerReport, parse_announcement, parse_trainer_report
 from swarm.routing import choose_peer, choose_stage_by_throughput, online_peers
 
 
@@ -59,3 +59,22 @@ def test_malformed_announcements_are_dropped():
     assert parse_announcement("p", {**good, "protocol_version": 99}, 0, 1.0) is None
     assert parse_announcement("p", {**good, "device": "x" * 1000}, 0, 1.0) is None
     assert parse_announcement("p", "not a dict", 0, 1.0) is None
+    assert parse_announcement("p", {**good, "samples_served": float("inf")}, 0, 1.0) is None
+    assert parse_announcement("p", {**good, "samples_served": "3"}, 0, 1.0) is None
+    assert parse_announcement("p", {**good, "throughput": 1e308}, 0, 1.0) is None  # would swamp routing
+    assert parse_announcement("p", {**good, "stage": True}, 0, 1.0) is None
+
+
+def test_malformed_trainer_reports_are_dropped():
+    good = TrainerReport(peer_id="t", loss=2.5, samples_per_second=10.0, samples=100).to_record()
+    assert parse_trainer_report("t", good, 1.0) is not None
+    assert parse_trainer_report("t", {**good, "loss": float("nan")}, 1.0) is not None  # no microbatch done yet
+    for bad in (
+        {"loss": float("inf")},
+        {"loss": -1.0},
+        {"samples": -5},
+        {"samples": 1.5},
+        {"failed_microbatches": None},
+    ):
+        assert parse_trainer_report("t", {**good, **bad}, 1.0) is None, bad
+    assert parse_trainer_report("other", good, 1.0) is None
