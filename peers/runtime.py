@@ -112,15 +112,3 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-
-
-__all__ = [
-    "ALL_INTERFACES",
-    "LOOPBACK",
-    "install_stop_handlers",
-    "resolve_device",
-    "setup_logging",
-    "start_dht",
-    "validate_multiaddrs_without_peer",
-    "visible_maddrs",
-]

@@ -217,11 +217,10 @@ class Trainer:
             timeouts.forward if kind == "forward" else timeouts.backward, max(deadline - time.monotonic(), 0.1)
         )
         request = protocol.make_request(self.manifest, microbatch_id, tensors, train=train)
-        reply_elements = self.max_elements
         if self.local_server is not None and peer_id == self.peer_id:
             reply = await asyncio.wait_for(self.local_server.handle(kind, request, self.peer_id), timeout)
         else:
-            reply = await call_stage(self.p2p, peer_id, kind, request, timeout, reply_elements)
+            reply = await call_stage(self.p2p, peer_id, kind, request, timeout, self.max_elements)
             self.bytes_sent += request.ByteSize()
             self.bytes_received += reply.ByteSize()
         outputs = protocol.decode_reply(reply, self.max_elements)

@@ -117,7 +117,7 @@ class PeerProcess:
         except ProcessLookupError:
             return False
         # zombies of the group do not count once the leader is reaped
-        return _group_has_live_members(self.pgid)
+        return group_alive(self.pgid)
 
     def socket_files(self) -> set[Path]:
         """Unix socket files that the peer's processes (python, DHT process, p2pd) have open."""
@@ -157,28 +157,32 @@ class PeerProcess:
         except subprocess.TimeoutExpired:
             pass
         deadline = time.monotonic() + 5
-        while _group_has_live_members(self.pgid) and time.monotonic() < deadline:
+        while group_alive(self.pgid) and time.monotonic() < deadline:
             time.sleep(0.1)
         for path in sockets:  # killed processes cannot remove their socket files
             path.unlink(missing_ok=True)
         self.log_file.close()
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group."""
-    members = []
+def live_processes() -> list[tuple[int, int, int]]:
+    """(pid, parent pid, process group) of every process that is not a zombie."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state != "Z":
-            members.append(int(stat.parent.name))
-    return members
+        if fields[0] != "Z":
+            found.append((int(stat.parent.name), int(fields[1]), int(fields[2])))
+    return found
 
 
-def _group_has_live_members(pgid: int) -> bool:
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group."""
+    return [pid for pid, _, group in live_processes() if group == pgid]
+
+
+def group_alive(pgid: int) -> bool:
     return bool(_group_members(pgid))
 
 

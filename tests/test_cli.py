@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, tiny_manifest_dict
+from conftest import ROOT, group_alive, live_processes, tiny_manifest_dict
 
 pytestmark = pytest.mark.integration
 
@@ -58,6 +58,28 @@ def test_bad_input_gets_a_clear_error(tmp_path, manifest, flags, expected):
     assert elapsed < 30
 
 
+@pytest.mark.parametrize(
+    "module,flags,expected",
+    [
+        ("peers.peer", ["--threads", "0"], "--threads must be at least 1"),
+        ("peers.peer", ["--duration", "0"], "--duration must be positive"),
+        ("peers.peer", ["--status-every", "-1"], "--status-every must be positive"),
+        ("peers.peer", ["--device", "tpu"], "invalid choice"),
+        ("peers.demo", ["--peers", "0"], "--peers must be at least 1"),
+        ("peers.demo", ["--duration", "-5"], "--duration must be positive"),
+        ("peers.demo", ["--peers", "1"], "each needs a peer"),
+    ],
+)
+def test_bad_flags_are_refused(tmp_path, module, flags, expected):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(tiny_manifest_dict()))
+    args = ["--join", str(path), *flags] if module == "peers.peer" else flags
+    code, out, _ = run(module, *args)
+    assert code == 2
+    assert expected in out
+    assert "Traceback" not in out
+
+
 def test_unreachable_initial_peers_fail_fast(tmp_path):
     # a valid address on loopback where nobody listens
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
@@ -83,34 +105,13 @@ def test_demo_trains_and_reports_json():
 def _peer_children(pid: int) -> list[int]:
     """Child processes of `pid` that run peers.peer."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for child, parent, _ in live_processes():
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if parent == pid and b"peers.peer" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            try:
-                cmdline = (stat.parent / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"peers.peer" in cmdline:
-                found.append(int(stat.parent.name))
     return found
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
 
 
 def test_demo_ctrl_c_stops_every_peer():
@@ -132,9 +133,9 @@ def test_demo_ctrl_c_stops_every_peer():
         os.killpg(demo.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
         assert demo.wait(timeout=60) == 130
         deadline = time.monotonic() + 10
-        while any(_group_alive(p) for p in peers) and time.monotonic() < deadline:
+        while any(group_alive(p) for p in peers) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(_group_alive(p) for p in peers), "a peer, its DHT process or its p2pd outlived the demo"
+        assert not any(group_alive(p) for p in peers), "a peer, its DHT process or its p2pd outlived the demo"
     finally:
         for pgid in [demo.pid, *peers]:
             try:
