@@ -7,23 +7,22 @@ import asyncio
 import hashlib
 import json
 import logging
-import random
 import sys
 import time
 
 import torch
 
 from peers import runtime
+from peers.rebalancer import Rebalancer, ServingOptions
 from peers.server import StageServer
 from peers.trainer import Trainer
 from swarm import __version__
 from swarm.data import TextData
 from swarm.errors import SwarmError
 from swarm.manifest import Manifest, load_manifest
-from swarm.model import build_stage, count_parameters
-from swarm.records import SwarmView
-from swarm.routing import choose_stage_by_throughput
-from swarm.throughput import measure_compute_throughput
+from swarm.model import count_parameters
+from swarm.records import MAX_THROUGHPUT
+from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
 
 logger = logging.getLogger("swarm-peer")
 
@@ -34,7 +33,11 @@ examples:
   swarm-peer --join my-swarm.json
       join a swarm whose manifest lists initial peers; pick the stage that needs help most
   swarm-peer --join my-swarm.json --stage 1 --no-trainer --device cuda
-      serve stage 1 on the GPU, without running a trainer
+      serve stage 1 on the GPU, without running a trainer (a pinned peer never moves)
+  swarm-peer --join my-swarm.json --throughput eval --bandwidth 50
+      measure compute throughput again (not from the cache) and take the link as 50 Mbit/s
+  swarm-peer --join my-swarm.json --simulated-speed 0.25
+      testing aid: behave like a device 4x slower than this one (compute takes 4x as long)
 """
 
 
@@ -66,6 +69,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="MADDR",
         help="multiaddrs to tell others (e.g. your public address with an explicit port)",
     )
+    parser.add_argument(
+        "--throughput",
+        default="auto",
+        metavar="auto|eval|NUMBER",
+        help="auto: measure compute throughput once and cache it (default); eval: measure again; "
+        "NUMBER: announce this many samples/s instead of measuring",
+    )
+    parser.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        metavar="MBITS",
+        help="the link's speed in Mbit/s, instead of measuring it against another peer "
+        f"(alone in the swarm, a peer assumes {DEFAULT_BANDWIDTH_MBITS:.0f} until another peer appears)",
+    )
+    parser.add_argument(
+        "--simulated-speed",
+        type=float,
+        default=1.0,
+        metavar="FRACTION",
+        help="testing aid: emulate a slower device; 0.25 makes every compute step take 4x as long (default: 1)",
+    )
+    parser.add_argument("--public-name", default="", help="a name shown to others in peer-status (at most 64 chars)")
     parser.add_argument("--data", default=None, metavar="PATH", help="train on this text file or folder instead")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="default: auto")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -82,6 +108,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--status-every must be positive")
     if args.duration is not None and args.duration <= 0:
         parser.error("--duration must be positive")
+    if args.throughput not in ("auto", "eval"):
+        try:
+            value = float(args.throughput)
+        except ValueError:
+            value = -1.0
+        if not 0 < value <= MAX_THROUGHPUT:
+            parser.error(f"--throughput must be auto, eval or a number of samples/s in (0, {MAX_THROUGHPUT:g}]")
+    if args.bandwidth is not None and not 0 < args.bandwidth <= 1e6:
+        parser.error("--bandwidth must be a positive number of Mbit/s")
+    if not 0 < args.simulated_speed <= 1:
+        parser.error("--simulated-speed must be in (0, 1]: it can only slow a device down")
+    if len(args.public_name) > 64 or not args.public_name.isprintable():
+        parser.error("--public-name must be at most 64 printable characters")
     return args
 
 
@@ -121,28 +160,38 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
     for addr in runtime.visible_maddrs(dht):
         print(f"  {addr}", flush=True)
 
-    server: StageServer | None = None
+    trainer: Trainer | None = None
     trainer_task: asyncio.Task | None = None
-    try:
-        view = SwarmView(dht, manifest.swarm_id, manifest.num_stages, max_age=manifest.network.announce_period)
-        stage = args.stage if args.stage is not None else await choose_stage(view, manifest)
-        model = build_stage(manifest, stage)
-        throughput = measure_compute_throughput(model.to(device), manifest, device)
-        server = StageServer(manifest, stage, model, device, peer_id, throughput)
-        await server.start(dht, p2p)
+    balance_task: asyncio.Task | None = None
+    options = ServingOptions(
+        stage=args.stage,
+        throughput=args.throughput,
+        bandwidth_mbits=args.bandwidth,
+        simulated_speed=args.simulated_speed,
+        public_name=args.public_name,
+    )
+
+    def on_switch(server: StageServer) -> None:
+        model = server.model
         print(
-            f"serving stage {stage} (layers {model.layers.start}..{model.layers.stop - 1}, "
-            f"{count_parameters(model) / 1e6:.2f}M parameters) on {device}, {throughput:.1f} samples/s",
+            f"serving stage {server.stage} (layers {model.layers.start}..{model.layers.stop - 1}, "
+            f"{count_parameters(model) / 1e6:.2f}M parameters) on {device}, {server.throughput.serving:.1f} samples/s "
+            f"(compute {server.throughput.compute:.1f}, network {server.throughput.network:.1f})",
             flush=True,
         )
+        if trainer is not None:
+            trainer.local_server = server
 
-        trainer = None
+    rebalancer = Rebalancer(manifest, dht, p2p, peer_id, device, options, on_switch=on_switch)
+    try:
+        await rebalancer.start()
+        balance_task = asyncio.create_task(rebalancer.run(stop))
         if args.trainer:
             shard = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little") % manifest.data.shards
             data = TextData.load(
                 args.data or manifest.data.source, manifest.data.heldout_fraction, shard, manifest.data.shards
             )
-            trainer = Trainer(manifest, dht, p2p, peer_id, seed=args.seed, local_server=server)
+            trainer = Trainer(manifest, dht, p2p, peer_id, seed=args.seed, local_server=rebalancer.server)
             trainer_task = asyncio.create_task(trainer.train(data.train, stop))
             print(f"training on data shard {shard} ({len(data.train) / 1e6:.1f} MB)", flush=True)
 
@@ -152,17 +201,18 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
                 await asyncio.wait_for(stop.wait(), timeout=args.status_every)
             except TimeoutError:
                 pass
-            if trainer_task is not None and trainer_task.done():
-                trainer_task.result()  # surface a crash of the trainer
+            for task in (trainer_task, balance_task):
+                if task is not None and task.done() and not stop.is_set():
+                    task.result()  # surface a crash
             if args.duration is not None and time.monotonic() - started >= args.duration:
                 stop.set()
-            print_progress(server, trainer, args.json)
+            print_progress(rebalancer, trainer, args.json)
     finally:
         stop.set()
-        if trainer_task is not None:
-            await asyncio.gather(trainer_task, return_exceptions=True)
-        if server is not None:
-            await server.shutdown()
+        for task in (trainer_task, balance_task):
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
+        await rebalancer.shutdown()
         try:
             await asyncio.wait_for(p2p.shutdown(), timeout=5)
         except Exception as e:
@@ -171,21 +221,14 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
     return 0
 
 
-async def choose_stage(view: SwarmView, manifest: Manifest) -> int:
-    """The stage with the least total announced throughput, after a short random delay (so that peers
-    starting together see each other's choices)."""
-    rng = random.Random()
-    await asyncio.sleep(rng.uniform(0, 1.5))
-    stages = await view.all_stages(force=True)
-    totals = [sum(a.throughput for a in anns if a.state in ("joining", "online")) for anns in stages]
-    stage = choose_stage_by_throughput(totals, rng)
-    logger.info(f"announced throughput per stage: {[round(t, 1) for t in totals]}; choosing stage {stage}")
-    return stage
-
-
-def print_progress(server: StageServer, trainer: Trainer | None, as_json: bool) -> None:
+def print_progress(rebalancer: Rebalancer, trainer: Trainer | None, as_json: bool) -> None:
+    server = rebalancer.server
+    assert server is not None
     status = {
         "stage": server.stage,
+        "moves": rebalancer.moves,
+        "throughput": round(server.throughput.serving, 2),
+        "delivered_throughput": round(server.delivered.value, 2),
         "samples_served": server.samples_served,
         "optimizer_steps": server.optimizer_steps,
         "recomputed_forwards": server.recomputed_forwards,
@@ -204,6 +247,8 @@ def print_progress(server: StageServer, trainer: Trainer | None, as_json: bool) 
         print(json.dumps(status), flush=True)
         return
     line = f"stage {server.stage}: served {server.samples_served} samples, {server.optimizer_steps} optimizer steps"
+    if rebalancer.moves:
+        line += f" ({rebalancer.moves} moves)"
     if trainer is not None:
         shown_loss = f"{loss:.3f}" if loss == loss else "-"  # NaN until the first microbatch completes
         line += f" | trainer: loss {shown_loss}, {speed:.1f} samples/s, {trainer.samples} samples"

@@ -7,12 +7,17 @@ requests with an error reply instead of an exception.
 
 All model work runs in one worker thread, so requests never race on the weights, and the event loop stays
 free to receive requests and to announce.
+
+Besides forward and backward, a server answers two control calls: a bandwidth probe (other peers measure
+their links against it) and a download of its stage's state (parameters and optimizer statistics), which a
+peer that starts serving the same stage loads before it announces itself online.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -25,15 +30,25 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarm import protocol
-from swarm.errors import BadRequestError
+from swarm.errors import BadRequestError, RemoteStageError
 from swarm.manifest import Manifest
 from swarm.model import StageModel
-from swarm.records import Announcement, store_announcement
+from swarm.records import MAX_THROUGHPUT, Announcement, store_announcement
+from swarm.stage_state import expected_shapes, load_state_tensors, state_tensors
+from swarm.throughput import (
+    PROBE_BYTES,
+    DeliveredThroughput,
+    Throughput,
+    device_name,
+    measure_bandwidth,
+    simulate_slowdown,
+)
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "swarm"
 MAX_PENDING_REQUESTS = 64
+MAX_CONTROL_CALLS = 4  # probes and state downloads served at once; each holds up to a stage's state in memory
 ACTIVATION_CACHE_BYTES = 1 << 30
 
 
@@ -57,7 +72,12 @@ class StageServer(ServicerBase):
         model: StageModel,
         device: torch.device,
         peer_id: str,
-        throughput: float,
+        throughput: Throughput,
+        *,
+        pinned: bool = False,
+        public_name: str = "",
+        simulated_speed: float = 1.0,
+        started: float | None = None,
     ):
         self.manifest = manifest
         self.stage = stage
@@ -65,6 +85,11 @@ class StageServer(ServicerBase):
         self.device = device
         self.peer_id = peer_id
         self.throughput = throughput
+        self.pinned = pinned
+        self.public_name = public_name
+        self.simulated_speed = simulated_speed
+        self.started = time.monotonic() if started is None else started  # when the peer (not this stage) began
+        self.delivered = DeliveredThroughput()
         self.first = stage == 0
         self.last = stage == manifest.num_stages - 1
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
@@ -88,6 +113,7 @@ class StageServer(ServicerBase):
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}")
         self._pending = 0
+        self._control_calls = 0
         self.state = "joining"
         self._dht: DHT | None = None
         self._p2p: P2P | None = None
@@ -95,15 +121,30 @@ class StageServer(ServicerBase):
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
+    async def join(self, dht: DHT, p2p: P2P) -> None:
+        """Announce this peer as joining the stage (others count it in, and do not pick the stage too)."""
+        self._dht, self._p2p = dht, p2p
+        await self.announce()
+
     async def start(self, dht: DHT, p2p: P2P) -> None:
         """Register the RPC handlers, then announce online and keep announcing in the background."""
         self._dht, self._p2p = dht, p2p
-        await self.announce()
         await self.add_p2p_handlers(p2p, namespace=NAMESPACE)
         self.state = "online"
         await self.announce()
         self._announce_task = asyncio.create_task(self._announce_forever())
         logger.info(f"serving stage {self.stage} (layers {list(self.model.layers)}) as {self.peer_id}")
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking new requests (they get 'busy' replies) and wait, up to `timeout`, for those in flight."""
+        self.state = "offline"
+        try:
+            await asyncio.wait_for(self.announce(), timeout=timeout)
+        except Exception as e:
+            logger.warning(f"announcing offline failed: {e!r}")
+        deadline = time.monotonic() + timeout
+        while self._pending > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Announce offline, stop taking requests, finish the work in flight.
@@ -125,13 +166,23 @@ class StageServer(ServicerBase):
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
 
     def announcement(self) -> Announcement:
+        def rate(value: float) -> float:  # a fast loopback link measures above what records may carry
+            return round(min(value, MAX_THROUGHPUT), 3)
+
         return Announcement(
             peer_id=self.peer_id,
             stage=self.stage,
             state=self.state,
-            throughput=self.throughput,
+            throughput=rate(self.throughput.serving),
+            compute_throughput=rate(self.throughput.compute),
+            network_throughput=rate(self.throughput.network),
+            delivered_throughput=rate(self.delivered.update(self.samples_served, time.monotonic())),
             samples_served=self.samples_served,
-            device=str(self.device),
+            outstanding=max(self._pending, 0),
+            uptime=round(time.monotonic() - self.started, 1),
+            pinned=self.pinned,
+            device=device_name(self.device),
+            public_name=self.public_name,
         )
 
     async def announce(self) -> None:
@@ -185,6 +236,54 @@ class StageServer(ServicerBase):
             self._pending -= 1
         return await self.handle(kind, request, str(context.remote_id))
 
+    async def rpc_probe(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """Bandwidth probe: take the request's payload, reply with `reply_bytes` bytes of zeros."""
+        try:
+            metadata = protocol.decode_metadata(request, self.manifest)
+            reply_bytes = metadata.get("reply_bytes", 0)
+            if not isinstance(reply_bytes, int) or not 0 <= reply_bytes <= PROBE_BYTES:
+                raise BadRequestError(f"reply_bytes must be an integer from 0 to {PROBE_BYTES}")
+        except BadRequestError as e:
+            self.bad_requests += 1
+            return protocol.make_error_reply(str(e), "bad_request")
+        return protocol.make_reply([torch.zeros(reply_bytes // 4)])
+
+    async def rpc_download_state(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Stream this stage's parameters and optimizer statistics to a peer that starts serving the stage."""
+        try:
+            metadata = protocol.decode_metadata(request, self.manifest)
+            if metadata.get("stage") != self.stage:
+                raise BadRequestError(f"this peer serves stage {self.stage}, not {str(metadata.get('stage'))[:20]}")
+        except BadRequestError as e:
+            self.bad_requests += 1
+            yield protocol.make_error_reply(str(e), "bad_request")
+            return
+        if self.state != "online" or self._control_calls >= MAX_CONTROL_CALLS:
+            yield protocol.make_error_reply(f"this peer is {self.state} or busy; try another peer", "busy")
+            return
+        self._control_calls += 1
+        try:
+            # taken in the worker thread, between two requests, so parameters and statistics match
+            items = await asyncio.get_running_loop().run_in_executor(
+                self._executor, state_tensors, self.param_names, self.params, self.optimizer
+            )
+            reply = protocol.make_reply([tensor for _, tensor in items])
+            reply.metadata = protocol.MSGPackSerializer.dumps(
+                {"ok": True, "names": [name for name, _ in items], "optimizer_steps": self.optimizer_steps}
+            )
+            for part in protocol.split_message(reply):
+                yield part
+        finally:
+            self._control_calls -= 1
+
+    def load_state(self, items: list[tuple[str, torch.Tensor]], optimizer_steps: int) -> None:
+        """Take over a stage's state downloaded from another peer (before this server serves anything)."""
+        load_state_tensors(items, self.param_names, self.params, self.optimizer)
+        self.optimizer_steps = optimizer_steps
+        self.weights_version += 1
+
     def _refusal(self) -> runtime_pb2.ExpertResponse | None:
         if self.state != "online":
             return protocol.make_error_reply(f"this peer is {self.state}; try another peer", "busy")
@@ -212,7 +311,9 @@ class StageServer(ServicerBase):
         try:
             req = protocol.decode_request(request, self.manifest, self.max_elements)
             self._forget_stale_forwards()
+            begin = time.perf_counter()
             outputs = self._forward(req, caller) if kind == "forward" else self._backward(req, caller)
+            simulate_slowdown(time.perf_counter() - begin, self.simulated_speed)
             return protocol.make_reply(outputs, self.manifest.training.activation_compression)
         except BadRequestError as e:
             self.bad_requests += 1
@@ -392,3 +493,42 @@ async def call_stage(
         return await protocol.combine_message(replies, runtime_pb2.ExpertResponse, reply_elements * 4 + 4096)
 
     return await asyncio.wait_for(exchange(), timeout=timeout)
+
+
+async def probe_bandwidth(p2p: P2P, peer_id: str, manifest: Manifest, timeout: float = 20.0) -> tuple[float, float]:
+    """(download, upload) bytes per second between this peer and `peer_id`, measured with probe calls."""
+    stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+
+    async def exchange(upload_bytes: int, download_bytes: int) -> None:
+        request = protocol.make_control_request(manifest, reply_bytes=download_bytes)
+        if upload_bytes:
+            request.tensors.append(protocol.encode_tensor(torch.zeros(upload_bytes // 4)))
+        protocol.decode_reply(await stub.rpc_probe(request, timeout=timeout), PROBE_BYTES // 4)
+
+    return await asyncio.wait_for(measure_bandwidth(exchange), timeout=4 * timeout)
+
+
+async def download_state(
+    p2p: P2P, peer_id: str, server: StageServer, timeout: float
+) -> tuple[list[tuple[str, torch.Tensor]], int]:
+    """Fetch the state of `server`'s stage from `peer_id`: named tensors (not yet checked against the model,
+    see StageServer.load_state) and the optimizer steps taken so far. Raises RemoteStageError on a refusal."""
+    shapes = expected_shapes(server.param_names, server.params, server.optimizer)
+    max_bytes = sum(4 * math.prod(shape) for shape in shapes.values()) + 64 * len(shapes) + 65536
+    stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+    request = protocol.make_control_request(server.manifest, stage=server.stage)
+
+    async def fetch() -> runtime_pb2.ExpertResponse:
+        parts = await stub.rpc_download_state(request)
+        return await protocol.combine_message(parts, runtime_pb2.ExpertResponse, max_bytes, max_tensors=len(shapes))
+
+    reply = await asyncio.wait_for(fetch(), timeout=timeout)
+    largest = max(math.prod(shape) for shape in shapes.values())
+    tensors = protocol.decode_reply(reply, max(largest, 1))  # raises RemoteStageError for an error reply
+    metadata = protocol.MSGPackSerializer.loads(reply.metadata)
+    names, steps = metadata.get("names"), metadata.get("optimizer_steps")
+    if not isinstance(names, list) or len(names) != len(tensors) or not all(isinstance(n, str) for n in names):
+        raise RemoteStageError("the state's names do not match its tensors", "internal")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise RemoteStageError("the state's optimizer_steps is not a count", "internal")
+    return list(zip(names, tensors)), steps

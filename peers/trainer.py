@@ -1,9 +1,11 @@
 """Trainer: reads its data shard, pushes microbatches through one peer per stage and back.
 
-For each microbatch and each stage the trainer picks an online peer (weighted by announced throughput),
+For each microbatch and each stage the trainer picks the online peer with the least expected time to finish
+it (swarm/routing.py: its own observations of each peer's speed and of the work it has outstanding there),
 keeps the stage inputs it needs for backward, and sends backward to the peer that ran forward (which still
 holds the activations). If a peer fails or times out, that stage is retried on another peer, the inputs are
-re-sent so that it can recompute forward, and the failed peer is banned for a while. Several microbatches
+re-sent so that it can recompute forward, and the failed peer is banned for a time that grows with repeated
+failures. Several microbatches
 are in flight at once, so the stages work in parallel. Nothing waits forever: every call has a timeout and
 every microbatch a deadline.
 """
@@ -30,11 +32,10 @@ from swarm.data import sample_batch
 from swarm.errors import MicrobatchFailedError, RemoteStageError
 from swarm.manifest import Manifest
 from swarm.records import SwarmView, TrainerReport, store_trainer_report
-from swarm.routing import choose_peer, online_peers
+from swarm.routing import Router, online_peers
 
 logger = logging.getLogger(__name__)
 
-BAN_SECONDS = 10.0
 NO_PEER_WAIT = 0.5
 REPORT_WINDOW = 30.0
 
@@ -61,7 +62,7 @@ class Trainer:
         self.view = SwarmView(dht, manifest.swarm_id, manifest.num_stages, max_age=manifest.network.announce_period)
         self.rng = random.Random(seed)
         self.max_elements = protocol.max_request_elements(manifest)
-        self.banned_until: dict[str, float] = {}
+        self.router = Router()
         self.unserved_stages: set[int] = set()  # stages with no online peer at the last look
         self.samples = 0
         self.microbatches = 0
@@ -113,33 +114,48 @@ class Trainer:
         deadline = time.monotonic() + self.manifest.training.timeouts.microbatch
         last = self.manifest.num_stages - 1
         hidden = (*inputs.shape, self.manifest.model.width)  # shape of activations and their gradients
+        samples = inputs.shape[0]
         hops: list[_Hop] = []
-        x = inputs
-        for stage in range(last):
-            peer_id, (x_next,) = await self._call(stage, "forward", microbatch_id, [x], [hidden], deadline)
-            hops.append(_Hop(peer_id, x))
-            x = x_next
-        expect = [(), hidden] if last else [()]  # the loss, and the gradient of the last stage's inputs
-        _, outputs = await self._call(last, "forward", microbatch_id, [x, targets], expect, deadline)
-        loss, grad = float(outputs[0]), outputs[-1]
-        for stage in reversed(range(last)):
-            hop = hops[stage]
-            expect = [] if stage == 0 else [hidden]
-            try:  # the peer that ran forward still holds the activations: send only the gradient
-                outputs = await self._call_peer(hop.peer_id, "backward", microbatch_id, [grad], expect, deadline)
-            except RemoteStageError as e:
-                if e.code != "unknown_microbatch":
-                    self._ban(hop.peer_id, f"backward on stage {stage}: {e}")
-                # the peer lost the activations (or is busy): let it, or another peer, recompute from the inputs
-                prefer = hop.peer_id if e.code in ("unknown_microbatch", "busy") else None
-                _, outputs = await self._call(
-                    stage, "backward", microbatch_id, [grad, hop.inputs], expect, deadline, prefer=prefer
+        try:
+            x = inputs
+            for stage in range(last):
+                # the peer's work on this microbatch counts as outstanding until its backward is done
+                peer_id, (x_next,) = await self._call(
+                    stage, "forward", microbatch_id, [x], [hidden], deadline, hold=True
                 )
-            except Exception as e:  # timeout or connection failure: the peer may still be working on it
-                self._ban(hop.peer_id, f"backward on stage {stage} failed: {type(e).__name__}: {e}")
-                _, outputs = await self._call(stage, "backward", microbatch_id, [grad, hop.inputs], expect, deadline)
-            grad = outputs[0] if expect else None
-        return loss, inputs.shape[0]
+                hops.append(_Hop(peer_id, x))
+                x = x_next
+            expect = [(), hidden] if last else [()]  # the loss, and the gradient of the last stage's inputs
+            _, outputs = await self._call(last, "forward", microbatch_id, [x, targets], expect, deadline)
+            loss, grad = float(outputs[0]), outputs[-1]
+            for stage in reversed(range(last)):
+                grad = await self._backward(stage, hops[stage], microbatch_id, grad, hidden, deadline)
+                self.router.finished(hops.pop().peer_id, samples)
+        finally:
+            for hop in hops:
+                self.router.finished(hop.peer_id, samples)
+        return loss, samples
+
+    async def _backward(
+        self, stage: int, hop: _Hop, microbatch_id: str, grad: torch.Tensor, hidden: tuple[int, ...], deadline: float
+    ) -> torch.Tensor | None:
+        """Backward of one stage: to the peer that ran forward, else recomputed from the inputs on any peer."""
+        expect = [] if stage == 0 else [hidden]
+        try:
+            # the peer that ran forward still holds the activations: send only the gradient
+            outputs = await self._call_peer(hop.peer_id, "backward", microbatch_id, [grad], expect, deadline)
+        except RemoteStageError as e:
+            if e.code not in ("unknown_microbatch", "busy"):
+                self._ban(hop.peer_id, f"backward on stage {stage}: {e}")
+            # the peer lost the activations (or is busy): let it, or another peer, recompute from the inputs
+            prefer = hop.peer_id if e.code in ("unknown_microbatch", "busy") else None
+            _, outputs = await self._call(
+                stage, "backward", microbatch_id, [grad, hop.inputs], expect, deadline, prefer=prefer
+            )
+        except Exception as e:  # timeout or connection failure: the peer may still be working on it
+            self._ban(hop.peer_id, f"backward on stage {stage} failed: {type(e).__name__}: {e}")
+            _, outputs = await self._call(stage, "backward", microbatch_id, [grad, hop.inputs], expect, deadline)
+        return outputs[0] if expect else None
 
     # ---------------------------------------------------------------------------------------- evaluation
 
@@ -175,19 +191,34 @@ class Trainer:
         deadline: float,
         train: bool = True,
         prefer: str | None = None,
+        hold: bool = False,
     ) -> tuple[str, list[torch.Tensor]]:
-        """Call some online peer of `stage` (`prefer` first), retrying on other peers until the deadline."""
+        """Call some online peer of `stage` (`prefer` first), retrying on other peers until the deadline.
+
+        The samples count as outstanding at the chosen peer during the call and, with `hold`, after a success
+        too (the caller then calls router.finished)."""
         tried: set[str] = set()
         last_error: Exception | None = None
+        samples = tensors[0].shape[0]
         while time.monotonic() < deadline:
-            peer_id = prefer if prefer is not None and prefer not in tried else await self._pick(stage, tried)
+            if prefer is not None and prefer not in tried:
+                peer_id = prefer
+            else:
+                peer_id = await self._pick(stage, tried, samples)
             if peer_id is None:
                 tried.clear()  # every peer failed once: let them be tried again after a pause
                 await asyncio.sleep(NO_PEER_WAIT)
                 continue
             tried.add(peer_id)
+            self.router.started(peer_id, samples)
+            succeeded = False
             try:
-                return peer_id, await self._call_peer(peer_id, kind, microbatch_id, tensors, expect, deadline, train)
+                begin = time.monotonic()
+                outputs = await self._call_peer(peer_id, kind, microbatch_id, tensors, expect, deadline, train)
+                succeeded = True
+                if kind == "forward":
+                    self.router.observed(peer_id, samples, time.monotonic() - begin)
+                return peer_id, outputs
             except RemoteStageError as e:
                 last_error = e
                 if e.code != "busy":
@@ -197,6 +228,9 @@ class Trainer:
             except Exception as e:  # timeouts, connection errors
                 last_error = e
                 self._ban(peer_id, f"{kind} on stage {stage} failed: {type(e).__name__}: {e}")
+            finally:
+                if not (succeeded and hold):
+                    self.router.finished(peer_id, samples)
         raise MicrobatchFailedError(
             f"stage {stage} {kind} did not succeed before the deadline (last error: {last_error!r})"
         )
@@ -233,14 +267,12 @@ class Trainer:
             raise RemoteStageError("the reply contains NaN or Inf", "internal")
         return outputs
 
-    async def _pick(self, stage: int, tried: set[str]) -> str | None:
-        now = time.monotonic()
-        self.banned_until = {p: until for p, until in self.banned_until.items() if until > now}
-        exclude = tried | set(self.banned_until)
-        chosen = choose_peer(online_peers(await self.view.stage(stage), get_dht_time()), self.rng, exclude)
+    async def _pick(self, stage: int, tried: set[str], samples: int) -> str | None:
+        online = online_peers(await self.view.stage(stage), get_dht_time())
+        chosen = self.router.choose(online, samples, time.monotonic(), self.rng, exclude=tried)
         if chosen is None:  # peers may have joined since the last look
             online = online_peers(await self.view.stage(stage, force=True), get_dht_time())
-            chosen = choose_peer(online, self.rng, exclude)
+            chosen = self.router.choose(online, samples, time.monotonic(), self.rng, exclude=tried)
             if online:
                 self.unserved_stages.discard(stage)
             elif stage not in self.unserved_stages:
@@ -251,8 +283,8 @@ class Trainer:
         return None if chosen is None else chosen.peer_id
 
     def _ban(self, peer_id: str, reason: str) -> None:
-        logger.info(f"banning peer {peer_id[-8:]} for {BAN_SECONDS:.0f}s: {reason}")
-        self.banned_until[peer_id] = time.monotonic() + BAN_SECONDS
+        seconds = self.router.failed(peer_id, time.monotonic())
+        logger.info(f"banning peer {peer_id[-8:]} for {seconds:.0f}s: {reason}")
 
     # ------------------------------------------------------------------------------------------- reports
 

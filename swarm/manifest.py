@@ -70,6 +70,12 @@ class NetworkConfig:
 
 
 @dataclass(frozen=True)
+class BalancingConfig:
+    check_period: float = 60.0  # mean seconds between a peer's checks of the balance (each randomized 0.5-1.5x)
+    min_gain: float = 0.1  # peers move only if that raises the swarm's bottleneck by more than this fraction
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str
     model: ModelConfig
@@ -77,6 +83,7 @@ class Manifest:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    balancing: BalancingConfig = field(default_factory=BalancingConfig)
     initial_peers: tuple[str, ...] = ()
     protocol_version: int = PROTOCOL_VERSION
 
@@ -98,6 +105,7 @@ class Manifest:
             "training": dataclasses.asdict(self.training),
             "data": dataclasses.asdict(self.data),
             "network": dataclasses.asdict(self.network),
+            "balancing": dataclasses.asdict(self.balancing),
         }
         if with_peers:
             result["initial_peers"] = list(self.initial_peers)
@@ -203,6 +211,13 @@ def manifest_from_dict(raw: Any) -> Manifest:
     network = NetworkConfig(announce_period=n.number("announce_period", default=5.0, minimum=0.2, maximum=3600.0))
     n.no_unknown()
 
+    b = obj.section("balancing", optional=True)
+    balancing = BalancingConfig(
+        check_period=b.number("check_period", default=BalancingConfig.check_period, minimum=1.0, maximum=86400.0),
+        min_gain=b.number("min_gain", default=BalancingConfig.min_gain, minimum=0.0, maximum=10.0),
+    )
+    b.no_unknown()
+
     peers = obj.get("initial_peers", default=[])
     if not isinstance(peers, list):
         raise ManifestError("manifest field 'initial_peers': must be a list of multiaddr strings")
@@ -215,6 +230,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
         training=training,
         data=data,
         network=network,
+        balancing=balancing,
         initial_peers=initial_peers,
         protocol_version=version,
     )

@@ -142,6 +142,21 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
 
 def decode_request(request: runtime_pb2.ExpertRequest, manifest: Manifest, max_elements: int) -> StageRequest:
     """Validate the metadata and tensor headers of a request (not yet its shapes against the stage)."""
+    metadata = decode_metadata(request, manifest)
+    microbatch_id = metadata.get("microbatch_id")
+    if not isinstance(microbatch_id, str) or not 0 < len(microbatch_id) <= MAX_MICROBATCH_ID:
+        raise BadRequestError(f"microbatch_id must be a string of 1 to {MAX_MICROBATCH_ID} characters")
+    train = metadata.get("train", True)
+    if not isinstance(train, bool):
+        raise BadRequestError("train must be true or false")
+    if len(request.tensors) > 2:
+        raise BadRequestError(f"{len(request.tensors)} tensors sent, at most 2 are accepted")
+    tensors = [decode_tensor(t, max_elements, f"tensor {i}") for i, t in enumerate(request.tensors)]
+    return StageRequest(microbatch_id=microbatch_id, train=train, tensors=tensors)
+
+
+def decode_metadata(request: runtime_pb2.ExpertRequest, manifest: Manifest) -> dict:
+    """The metadata dictionary of a request, after checking its swarm id and protocol version."""
     try:
         metadata = MSGPackSerializer.loads(request.metadata)
     except Exception:
@@ -157,16 +172,13 @@ def decode_request(request: runtime_pb2.ExpertRequest, manifest: Manifest, max_e
             f"protocol version {str(metadata.get('protocol_version'))[:20]!r} is not supported: this peer speaks "
             f"{PROTOCOL_VERSION}"
         )
-    microbatch_id = metadata.get("microbatch_id")
-    if not isinstance(microbatch_id, str) or not 0 < len(microbatch_id) <= MAX_MICROBATCH_ID:
-        raise BadRequestError(f"microbatch_id must be a string of 1 to {MAX_MICROBATCH_ID} characters")
-    train = metadata.get("train", True)
-    if not isinstance(train, bool):
-        raise BadRequestError("train must be true or false")
-    if len(request.tensors) > 2:
-        raise BadRequestError(f"{len(request.tensors)} tensors sent, at most 2 are accepted")
-    tensors = [decode_tensor(t, max_elements, f"tensor {i}") for i, t in enumerate(request.tensors)]
-    return StageRequest(microbatch_id=microbatch_id, train=train, tensors=tensors)
+    return metadata
+
+
+def make_control_request(manifest: Manifest, **fields) -> runtime_pb2.ExpertRequest:
+    """A request that carries no stage tensors: a bandwidth probe or a request for the stage's state."""
+    metadata = {"swarm_id": manifest.swarm_id, "protocol_version": PROTOCOL_VERSION, **fields}
+    return runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps(metadata))
 
 
 # ---------------------------------------------------------------------------------- checks for one stage
@@ -257,9 +269,12 @@ def split_message(message: Message) -> list[Message]:
     return parts
 
 
-async def combine_message(parts: AsyncIterator[Message], message_type: type[Message], max_bytes: int) -> Message:
-    """Rebuild a message from stream parts, refusing more than max_bytes in all (parts counted whole) and
-    empty chunks. Chunks are copied, so that no part (with whatever else it carries) stays in memory."""
+async def combine_message(
+    parts: AsyncIterator[Message], message_type: type[Message], max_bytes: int, max_tensors: int = 2
+) -> Message:
+    """Rebuild a message from stream parts, refusing more than max_bytes in all (parts counted whole), more
+    than max_tensors tensors, and empty chunks. Chunks are copied, so that no part (with whatever else it
+    carries) stays in memory."""
     metadata = b""
     tensors: list[list[runtime_pb2.Tensor]] = []
     total = 0
@@ -278,8 +293,8 @@ async def combine_message(parts: AsyncIterator[Message], message_type: type[Mess
                 tensors.append([copy])
             else:
                 tensors[-1].append(copy)
-            if len(tensors) > 2:
-                raise BadRequestError(f"{len(tensors)} tensors sent, at most 2 are accepted")
+            if len(tensors) > max_tensors:
+                raise BadRequestError(f"{len(tensors)} tensors sent, at most {max_tensors} are accepted")
     return message_type(metadata=metadata, tensors=[combine_from_streaming(t) for t in tensors])
 
 

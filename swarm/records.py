@@ -42,9 +42,16 @@ class Announcement:
     peer_id: str
     stage: int
     state: str
-    throughput: float  # samples per second of forward+backward on its device
+    throughput: float  # samples per second it can serve: the lower of its compute and network limits
+    compute_throughput: float = 0.0  # samples per second of forward+backward on its device
+    network_throughput: float = 0.0  # samples per second its links allow for this stage
+    delivered_throughput: float = 0.0  # EMA of the samples per second it actually served
     samples_served: int = 0
+    outstanding: int = 0  # requests accepted and not yet answered
+    uptime: float = 0.0  # seconds since the peer started
+    pinned: bool = False  # serves this stage by the user's choice (--stage): never moves
     device: str = "cpu"
+    public_name: str = ""
     version: str = __version__
     protocol_version: int = PROTOCOL_VERSION
     expiration: float = 0.0  # filled in when read from the DHT
@@ -82,8 +89,15 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
             stage=_count(record["stage"]),
             state=_text(record["state"]),
             throughput=_rate(record["throughput"]),
+            compute_throughput=_rate(record["compute_throughput"]),
+            network_throughput=_rate(record["network_throughput"]),
+            delivered_throughput=_rate(record["delivered_throughput"]),
             samples_served=_count(record["samples_served"]),
+            outstanding=_count(record["outstanding"]),
+            uptime=_duration(record["uptime"]),
+            pinned=_flag(record["pinned"]),
             device=_text(record["device"]),
+            public_name=_text(record["public_name"]),
             version=_text(record["version"]),
             expiration=float(expiration),
         )
@@ -125,6 +139,18 @@ def _count(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
         raise ValueError("not a count")
     return value
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("not a boolean")
+    return value
+
+
+def _duration(value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1e10:
+        raise ValueError("not a duration")
+    return float(value)
 
 
 def _rate(value: Any) -> float:

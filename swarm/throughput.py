@@ -1,23 +1,63 @@
-"""Measure how fast a peer can serve its stage.
+"""Measure how many samples per second a peer can serve for its stage.
 
-For now one simple figure: samples per second of forward + backward of the stage on its device, timed after
-a warm-up pass. (A later issue adds network throughput and an on-disk cache.)
+Two limits, and the peer serves at the lower of them:
+- compute: samples per second of what the stage server does per sample on this device (a forward that keeps
+  its activations, and a backward), timed after a warm-up;
+- network: the bytes per second this peer can exchange with another peer of the swarm, divided by the bytes
+  a sample of this stage moves in each direction (activations in and out, and their gradients).
+
+Compute figures are cached on disk, keyed by device, model config and stage shape, because they take seconds
+to measure and do not change; network figures are measured again on each start (they depend on who is
+reachable). While serving, a peer also keeps an EMA of the throughput it actually delivers
+(`DeliveredThroughput`).
+
+`simulated_speed` (testing aid, `swarm-peer --simulated-speed`): a peer with speed s sleeps (1/s - 1) times as
+long as each piece of compute took, so it behaves, and measures, like a device s times as fast.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from swarm.manifest import Manifest
 from swarm.model import StageModel
 
+logger = logging.getLogger(__name__)
+
+DEFAULT_BANDWIDTH_MBITS = 100.0  # assumed when no other peer is there to measure against: a typical home link
+PROBE_BYTES = 2 * 1024 * 1024  # one bandwidth probe message; fits a unary message
+DELIVERED_HALF_LIFE = 30.0  # seconds; the delivered-throughput EMA forgets at this pace
+
+
+# ---------------------------------------------------------------------------------------------- compute
+
+
+def simulate_slowdown(elapsed: float, simulated_speed: float) -> None:
+    """Sleep so that work that took `elapsed` seconds appears to run at `simulated_speed` (1.0: no delay)."""
+    if simulated_speed < 1.0:
+        time.sleep(elapsed * (1.0 / simulated_speed - 1.0))
+
 
 def measure_compute_throughput(
-    model: StageModel, manifest: Manifest, device: torch.device, repetitions: int = 2
+    model: StageModel,
+    manifest: Manifest,
+    device: torch.device,
+    repetitions: int = 3,
+    simulated_speed: float = 1.0,
 ) -> float:
-    """Samples per second of forward+backward of one microbatch, on a copy of the inputs (weights untouched)."""
+    """Samples per second of forward + backward of one microbatch on a copy of the inputs (weights untouched).
+
+    This is what the stage server does per sample: forward keeps its activations (weight stashing), so backward
+    does not recompute it; recomputation happens only after failures and is not part of the figure."""
     config, batch = manifest.model, manifest.training.microbatch_size
     length = config.context_length
     if model.first:
@@ -27,15 +67,16 @@ def measure_compute_throughput(
     params = [p for p in model.parameters() if p.requires_grad]
 
     def once() -> None:
+        begin = time.perf_counter()
         out = model(inputs)
         torch.autograd.grad(out.float().square().mean(), params)  # grads are returned, never accumulated
+        _synchronize(device)
+        simulate_slowdown(time.perf_counter() - begin, simulated_speed)
 
     once()  # warm-up
-    _synchronize(device)
     start = time.perf_counter()
     for _ in range(repetitions):
         once()
-    _synchronize(device)
     elapsed = time.perf_counter() - start
     return batch * repetitions / max(elapsed, 1e-9)
 
@@ -43,3 +84,157 @@ def measure_compute_throughput(
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    """A human name of the device, also part of the cache key (e.g. 'cpu', 'cuda:NVIDIA H200')."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+# ---------------------------------------------------------------------------------------------- network
+
+
+def stage_bytes_per_sample(manifest: Manifest, stage: int) -> tuple[int, int]:
+    """(bytes received, bytes sent) by a peer of `stage` per trained sample, as the protocol encodes them."""
+    config = manifest.model
+    element = 2 if manifest.training.activation_compression == "float16" else 4
+    hidden = config.context_length * config.width * element  # one sample's activations, or their gradient
+    tokens = config.context_length * 8  # int64 token ids
+    first, last = stage == 0, stage == manifest.num_stages - 1
+    received = (tokens if first else hidden) + (tokens if last else hidden)  # inputs; targets or output gradient
+    sent = (0 if first else hidden) + (0 if last else hidden)  # input gradient; outputs
+    return received, max(sent, 4)  # the last stage of a one-stage swarm sends only the loss
+
+
+def network_throughput(manifest: Manifest, stage: int, download_bps: float, upload_bps: float) -> float:
+    """Samples per second the links allow for `stage` (bps: bytes per second)."""
+    received, sent = stage_bytes_per_sample(manifest, stage)
+    return min(download_bps / received, upload_bps / sent)
+
+
+async def measure_bandwidth(
+    exchange: Callable[[int, int], Awaitable[None]], probe_bytes: int = PROBE_BYTES, repetitions: int = 2
+) -> tuple[float, float]:
+    """(download, upload) bytes per second through `exchange(upload_bytes, download_bytes)`, one round trip
+    that sends and receives that many payload bytes. The time of an empty round trip is taken off, so that
+    latency does not count as bandwidth; the best of `repetitions` is kept."""
+
+    async def timed(up: int, down: int) -> float:
+        begin = time.perf_counter()
+        await exchange(up, down)
+        return time.perf_counter() - begin
+
+    await timed(0, 0)  # opens the connection
+    latency = min([await timed(0, 0) for _ in range(repetitions)])
+    upload = min([await timed(probe_bytes, 0) for _ in range(repetitions)])
+    download = min([await timed(0, probe_bytes) for _ in range(repetitions)])
+    return probe_bytes / max(download - latency, 1e-6), probe_bytes / max(upload - latency, 1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ cache
+
+
+def default_cache_path() -> Path:
+    """$SWARM_CACHE_DIR/throughput.json, or ~/.cache/swarm/throughput.json."""
+    root = os.environ.get("SWARM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "swarm"
+    )
+    return Path(root) / "throughput.json"
+
+
+def compute_cache_key(manifest: Manifest, stage: int, device: torch.device, simulated_speed: float) -> str:
+    """What a compute figure depends on: device, model config, stage shape, microbatch size, slowdown."""
+    parts = {
+        "device": device_name(device),
+        "model": asdict(manifest.model),
+        "layers": len(manifest.stage_layers(stage)),
+        "first": stage == 0,
+        "last": stage == manifest.num_stages - 1,
+        "microbatch_size": manifest.training.microbatch_size,
+        "simulated_speed": simulated_speed,
+        "torch": torch.__version__,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cached_compute_throughput(
+    model: StageModel,
+    manifest: Manifest,
+    stage: int,
+    device: torch.device,
+    simulated_speed: float = 1.0,
+    remeasure: bool = False,
+    path: Path | None = None,
+) -> tuple[float, bool]:
+    """(samples/s, whether it came from the cache): the cached figure, or a new measurement, then cached."""
+    path = path or default_cache_path()
+    key = compute_cache_key(manifest, stage, device, simulated_speed)
+    if not remeasure and (cached := read_cached(path, key)) is not None:
+        return cached, True
+    value = measure_compute_throughput(model, manifest, device, simulated_speed=simulated_speed)
+    write_cached(path, key, value)
+    return value, False
+
+
+def read_cached(path: Path, key: str) -> float | None:
+    """A cached figure, or None if there is none (or the cache file is unreadable: it is only a cache)."""
+    try:
+        value = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def write_cached(path: Path, key: str, value: float) -> None:
+    """Add one figure to the cache, atomically (write a temporary file, then rename)."""
+    try:
+        entries = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(entries, dict):
+            entries = {}
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = value
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        temporary.replace(path)
+    except OSError as e:
+        logger.warning(f"could not write the throughput cache {path}: {e}")
+
+
+# --------------------------------------------------------------------------------------------- delivered
+
+
+class DeliveredThroughput:
+    """EMA of the samples per second a peer actually served, updated from its running count of samples."""
+
+    def __init__(self, half_life: float = DELIVERED_HALF_LIFE):
+        self.half_life = half_life
+        self.value = 0.0
+        self._last: tuple[float, int] | None = None
+
+    def update(self, samples_served: int, now: float) -> float:
+        if self._last is not None:
+            last_time, last_samples = self._last
+            elapsed = now - last_time
+            if elapsed > 0:
+                rate = max(samples_served - last_samples, 0) / elapsed
+                keep = 0.5 ** (elapsed / self.half_life)
+                self.value = keep * self.value + (1 - keep) * rate
+        self._last = (now, samples_served)
+        return self.value
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """A peer's measured limits for its stage, in samples per second; it serves at the lower one."""
+
+    compute: float
+    network: float
+
+    @property
+    def serving(self) -> float:
+        return min(self.compute, self.network)

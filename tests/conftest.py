@@ -36,7 +36,7 @@ def tiny_manifest_dict(**overrides) -> dict:
     """A small, fast 2-stage swarm for tests."""
     manifest = {
         "name": "test-swarm",
-        "protocol_version": 1,
+        "protocol_version": 2,
         "model": {"vocab_size": 256, "width": 64, "depth": 2, "heads": 2, "context_length": 32, "seed": 0},
         "stages": {"count": 2},
         "training": {
@@ -64,7 +64,8 @@ class PeerProcess:
     def __init__(self, args: list[str], log_path: Path):
         self.log_path = log_path
         self.log_file = open(log_path, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # each test measures throughput afresh: its own cache, never the user's
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_CACHE_DIR": str(log_path.parent / "cache")}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "peers.peer", *args],
             cwd=ROOT,

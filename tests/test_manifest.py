@@ -68,7 +68,7 @@ _DELETE = object()
 BAD_FIELDS = [
     ("name", _DELETE, "name"),
     ("name", "", "name"),
-    ("protocol_version", 2, "protocol_version"),
+    ("protocol_version", 1, "protocol_version"),
     ("protocol_version", "1", "protocol_version"),
     ("model.width", -3, "model.width"),
     ("model.width", 64.5, "model.width"),

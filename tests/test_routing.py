@@ -1,4 +1,4 @@
-"""Weighted peer choice and stage choice (pure functions)."""
+"""Trainer-side routing (least expected finish time, bans) and announcement validation: pure logic."""
 
 from __future__ import annotations
 
@@ -6,31 +6,74 @@ import collections
 import random
 
 from swarm.records import Announcement, TrainerReport, parse_announcement, parse_trainer_report
-from swarm.routing import choose_peer, choose_stage_by_throughput, online_peers
+from swarm.routing import BASE_BAN, MAX_BAN, Router, online_peers
 
 
-def ann(peer_id: str, throughput: float, state: str = "online", expiration: float = 100.0) -> Announcement:
+def ann(peer_id: str, throughput: float = 10.0, state: str = "online", expiration: float = 100.0) -> Announcement:
     return Announcement(peer_id=peer_id, stage=0, state=state, throughput=throughput, expiration=expiration)
 
 
-def test_choice_is_weighted_by_throughput():
-    rng = random.Random(0)
-    peers = [ann("slow", 10.0), ann("fast", 30.0)]
-    counts = collections.Counter(choose_peer(peers, rng).peer_id for _ in range(4000))
-    assert 0.70 < counts["fast"] / 4000 < 0.80
+def test_the_peer_that_would_finish_first_is_chosen():
+    router, rng = Router(), random.Random(0)
+    router.observed("slow", samples=8, seconds=0.8)  # 0.1 s per sample
+    router.observed("fast", samples=8, seconds=0.2)  # 0.025 s per sample
+    peers = [ann("slow"), ann("fast")]
+    assert router.choose(peers, 8, now=0.0, rng=rng).peer_id == "fast"
+    router.started("fast", 40)  # work outstanding there: (40 + 8) x 0.025 = 1.2 s, against 8 x 0.1 = 0.8 s
+    assert router.choose(peers, 8, now=0.0, rng=rng).peer_id == "slow"
+    router.finished("fast", 40)
+    assert router.choose(peers, 8, now=0.0, rng=rng).peer_id == "fast"
+
+
+def test_load_spreads_in_proportion_to_observed_speed():
+    """Sending to the least expected finish time, with work staying outstanding, splits load by speed."""
+    router, rng = Router(), random.Random(0)
+    router.observed("a", 1, 0.01)
+    router.observed("b", 1, 0.03)  # three times slower
+    counts = collections.Counter()
+    for _ in range(400):
+        chosen = router.choose([ann("a"), ann("b")], 1, now=0.0, rng=rng).peer_id
+        router.started(chosen, 1)
+        counts[chosen] += 1
+    assert 0.70 < counts["a"] / 400 < 0.80
+
+
+def test_untried_peers_are_tried_early():
+    router, rng = Router(), random.Random(0)
+    router.observed("known", 8, 0.8)
+    router.started("known", 8)
+    # the new peer is assumed as fast as the fastest known one, and has nothing outstanding
+    assert router.choose([ann("known"), ann("new", throughput=0.001)], 8, now=0.0, rng=rng).peer_id == "new"
+
+
+def test_with_no_observation_announced_throughput_decides_and_ties_are_random():
+    router, rng = Router(), random.Random(0)
+    assert router.choose([ann("a", 5.0), ann("b", 50.0)], 8, now=0.0, rng=rng).peer_id == "b"
+    picks = {router.choose([ann("a", 5.0), ann("b", 5.0)], 8, now=0.0, rng=rng).peer_id for _ in range(50)}
+    assert picks == {"a", "b"}
+
+
+def test_bans_grow_with_repeated_failures_and_a_success_clears_them():
+    router, rng = Router(), random.Random(0)
+    bans = [router.failed("p", now=0.0) for _ in range(8)]
+    assert bans[0] == BASE_BAN and bans[1] == 2 * BASE_BAN and bans[2] == 4 * BASE_BAN
+    assert bans[-1] == MAX_BAN and bans == sorted(bans)
+    assert router.is_banned("p", now=MAX_BAN - 1) and not router.is_banned("p", now=MAX_BAN + 1)
+    assert router.choose([ann("p")], 8, now=1.0, rng=rng) is None
+    router.observed("p", 8, 0.1)
+    assert router.failed("p", now=100.0) == BASE_BAN
 
 
 def test_excluded_peers_are_never_chosen():
-    rng = random.Random(0)
+    router, rng = Router(), random.Random(0)
     peers = [ann("a", 1.0), ann("b", 1000.0)]
-    assert {choose_peer(peers, rng, exclude={"b"}).peer_id for _ in range(100)} == {"a"}
-    assert choose_peer(peers, rng, exclude={"a", "b"}) is None
-    assert choose_peer([], rng) is None
+    assert {router.choose(peers, 8, 0.0, rng, exclude={"b"}).peer_id for _ in range(20)} == {"a"}
+    assert router.choose(peers, 8, 0.0, rng, exclude={"a", "b"}) is None
+    assert router.choose([], 8, 0.0, rng) is None
 
 
 def test_zero_throughput_peer_still_reachable():
-    rng = random.Random(0)
-    assert choose_peer([ann("idle", 0.0)], rng).peer_id == "idle"
+    assert Router().choose([ann("idle", 0.0)], 8, 0.0, random.Random(0)).peer_id == "idle"
 
 
 def test_only_online_unexpired_peers_are_candidates():
@@ -43,10 +86,13 @@ def test_only_online_unexpired_peers_are_candidates():
     assert [a.peer_id for a in online_peers(peers, now=10.0)] == ["on"]
 
 
-def test_stage_choice_takes_the_least_served_stage():
-    rng = random.Random(0)
-    assert choose_stage_by_throughput([5.0, 1.0, 3.0], rng) == 1
-    assert {choose_stage_by_throughput([0.0, 0.0], rng) for _ in range(50)} == {0, 1}
+def test_forget_keeps_peers_with_work_outstanding():
+    router = Router()
+    router.observed("gone", 1, 0.1)
+    router.started("busy", 4)
+    router.observed("here", 1, 0.1)
+    router.forget(keep={"here"})
+    assert set(router.peers) == {"busy", "here"}
 
 
 def test_malformed_announcements_are_dropped():
@@ -54,15 +100,36 @@ def test_malformed_announcements_are_dropped():
     assert parse_announcement("p", good, 0, 1.0) is not None
     assert parse_announcement("other", good, 0, 1.0) is None  # subkey must match
     assert parse_announcement("p", good, 1, 1.0) is None  # stored under another stage
-    assert parse_announcement("p", {**good, "throughput": float("nan")}, 0, 1.0) is None
-    assert parse_announcement("p", {**good, "state": "dancing"}, 0, 1.0) is None
-    assert parse_announcement("p", {**good, "protocol_version": 99}, 0, 1.0) is None
-    assert parse_announcement("p", {**good, "device": "x" * 1000}, 0, 1.0) is None
+    for bad in (
+        {"throughput": float("nan")},
+        {"throughput": 1e308},  # would swamp routing and balancing
+        {"compute_throughput": -1.0},
+        {"delivered_throughput": "fast"},
+        {"state": "dancing"},
+        {"protocol_version": 99},
+        {"device": "x" * 1000},
+        {"public_name": None},
+        {"samples_served": float("inf")},
+        {"samples_served": "3"},
+        {"outstanding": -1},
+        {"uptime": float("nan")},
+        {"pinned": "yes"},
+        {"stage": True},
+    ):
+        assert parse_announcement("p", {**good, **bad}, 0, 1.0) is None, bad
+    missing = dict(good)
+    del missing["network_throughput"]
+    assert parse_announcement("p", missing, 0, 1.0) is None
     assert parse_announcement("p", "not a dict", 0, 1.0) is None
-    assert parse_announcement("p", {**good, "samples_served": float("inf")}, 0, 1.0) is None
-    assert parse_announcement("p", {**good, "samples_served": "3"}, 0, 1.0) is None
-    assert parse_announcement("p", {**good, "throughput": 1e308}, 0, 1.0) is None  # would swamp routing
-    assert parse_announcement("p", {**good, "stage": True}, 0, 1.0) is None
+
+
+def test_announcements_stay_small():
+    record = Announcement(
+        peer_id="12D3KooW" + "x" * 44, stage=3, state="online", throughput=1e6, public_name="n" * 64, device="d" * 128
+    ).to_record()
+    from hivemind.utils import MSGPackSerializer
+
+    assert len(MSGPackSerializer.dumps(record)) < 1024  # DHT values over ~64 KB hang
 
 
 def test_malformed_trainer_reports_are_dropped():

@@ -1,0 +1,303 @@
+"""Which stage this peer serves: the choice on join, the state download, and moves when the swarm is unbalanced.
+
+The decisions are swarm/balancing.py's pure functions over the peers' announcements; this module does the I/O:
+measuring throughput, reading the DHT, downloading a stage's state, switching the StageServer.
+
+Join:  short random delay -> look -> choose the bottleneck stage -> measure (cached) -> look again (peers that
+       started at the same time have announced by now) -> announce "joining" there -> download the stage's
+       state from an online peer of it -> serve, announce "online".
+Check: every check_period x U(0.5, 1.5) seconds: should_move over the current announcements; if it says move,
+       wait a short random time and look again, then move only if the answer is still the same.
+Move:  build and measure the target stage while still serving -> announce "joining" there -> download its
+       state -> stop taking requests on the old stage, finish those in flight, announce it "offline" ->
+       serve the target, announce "online". If no peer of the target can give its state, the move is called
+       off and the peer stays where it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from hivemind import DHT
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+
+from peers.server import StageServer, download_state, probe_bandwidth
+from swarm.balancing import PeerLoad, choose_stage, should_move
+from swarm.errors import PeerStartError
+from swarm.manifest import Manifest
+from swarm.model import build_stage
+from swarm.records import Announcement, SwarmView
+from swarm.routing import online_peers
+from swarm.throughput import (
+    DEFAULT_BANDWIDTH_MBITS,
+    Throughput,
+    cached_compute_throughput,
+    default_cache_path,
+    network_throughput,
+)
+
+logger = logging.getLogger(__name__)
+
+JOIN_DELAY = 2.0  # peers wait up to this long before their first look, and again before a move
+STATE_DOWNLOAD_TIMEOUT = 120.0
+STATE_SOURCES = 3  # peers of a stage tried for its state before giving up
+DRAIN_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """How the user asked this peer to serve (swarm-peer's flags)."""
+
+    stage: int | None = None  # --stage: pinned
+    throughput: str = "auto"  # --throughput: auto (cached), eval (measure again), or a number of samples/s
+    bandwidth_mbits: float | None = None  # --bandwidth: skip the network measurement
+    simulated_speed: float = 1.0  # --simulated-speed (testing aid)
+    public_name: str = ""
+
+
+def peer_loads(stages: Sequence[Sequence[Announcement]], now: float) -> list[PeerLoad]:
+    """What balancing needs of each announced peer: joining and online peers whose records have not expired."""
+    return [
+        PeerLoad(ann.peer_id, ann.stage, ann.throughput, online=ann.state == "online", movable=not ann.pinned)
+        for anns in stages
+        for ann in anns
+        if ann.state in ("joining", "online") and ann.expiration > now
+    ]
+
+
+class Rebalancer:
+    def __init__(
+        self,
+        manifest: Manifest,
+        dht: DHT,
+        p2p: P2P,
+        peer_id: str,
+        device: torch.device,
+        options: ServingOptions,
+        on_switch: Callable[[StageServer], None] = lambda server: None,
+    ):
+        self.manifest, self.dht, self.p2p, self.peer_id = manifest, dht, p2p, peer_id
+        self.device, self.options, self.on_switch = device, options, on_switch
+        self.view = SwarmView(dht, manifest.swarm_id, manifest.num_stages, max_age=manifest.network.announce_period)
+        self.rng = random.Random()
+        self.started = time.monotonic()
+        self.server: StageServer | None = None
+        self.moves = 0
+        self._bandwidth: tuple[float, float] | None = None  # (download, upload) bytes/s
+        self._bandwidth_measured = False  # False while it is the stated default (nobody to measure against)
+
+    # -------------------------------------------------------------------------------------------- join
+
+    async def start(self) -> StageServer:
+        """Choose a stage (or take the pinned one), take over its state, and serve it."""
+        if self.options.stage is not None:
+            stage = self.options.stage
+        else:
+            await asyncio.sleep(self.rng.uniform(0, JOIN_DELAY))
+            stage = choose_stage(await self._loads(), self.manifest.num_stages, self.rng, exclude_peer=self.peer_id)
+        server = await self._prepare(stage)  # measuring takes a while: peers that started with us announce meanwhile
+        if self.options.stage is None:
+            loads = await self._loads()
+            if not self._is_bottleneck(loads, stage):
+                stage = choose_stage(loads, self.manifest.num_stages, self.rng, exclude_peer=self.peer_id)
+                logger.info(f"at a second look another stage is the bottleneck; taking stage {stage}")
+                server = await self._prepare(stage)
+        await server.join(self.dht, self.p2p)
+        if not await self._take_over_state(server) and await self._online_peers_of(server.stage):
+            await server.shutdown()
+            raise PeerStartError(
+                f"could not download the state of stage {server.stage} from any of its online peers; "
+                "check that they are reachable from here, then start again"
+            )
+        await server.start(self.dht, self.p2p)
+        self._switch_to(server)
+        return server
+
+    def _is_bottleneck(self, loads: list[PeerLoad], stage: int) -> bool:
+        totals = [0.0] * self.manifest.num_stages
+        for load in loads:
+            if load.peer_id != self.peer_id:
+                totals[load.stage] += load.throughput
+        return totals[stage] <= min(totals) * (1 + 1e-9)
+
+    async def _prepare(self, stage: int) -> StageServer:
+        """A server for `stage` with its seed-initialised model and measured throughput; not yet announced."""
+        model = build_stage(self.manifest, stage).to(self.device)
+        throughput = await self._measure(stage, model)
+        return StageServer(
+            self.manifest,
+            stage,
+            model,
+            self.device,
+            self.peer_id,
+            throughput,
+            pinned=self.options.stage is not None,
+            public_name=self.options.public_name,
+            simulated_speed=self.options.simulated_speed,
+            started=self.started,
+        )
+
+    # ------------------------------------------------------------------------------------ measurement
+
+    async def _measure(self, stage: int, model) -> Throughput:
+        if self.options.throughput not in ("auto", "eval"):
+            value = float(self.options.throughput)
+            return Throughput(compute=value, network=value)
+        compute = self._compute_throughput(stage, model)
+        download, upload = await self._network_bandwidth()
+        return Throughput(compute=compute, network=network_throughput(self.manifest, stage, download, upload))
+
+    def _compute_throughput(self, stage: int, model) -> float:
+        value, cached = cached_compute_throughput(
+            model,
+            self.manifest,
+            stage,
+            self.device,
+            simulated_speed=self.options.simulated_speed,
+            remeasure=self.options.throughput == "eval",
+        )
+        source = f"cached in {default_cache_path()}" if cached else "measured"
+        logger.info(f"compute throughput of stage {stage}: {value:.1f} samples/s ({source})")
+        return value
+
+    async def _network_bandwidth(self) -> tuple[float, float]:
+        """(download, upload) bytes/s: --bandwidth, else measured against an online peer, else the default."""
+        if self.options.bandwidth_mbits is not None:
+            both = self.options.bandwidth_mbits * 1e6 / 8
+            return both, both
+        if self._bandwidth_measured and self._bandwidth is not None:
+            return self._bandwidth
+        others = [a for anns in await self.view.all_stages() for a in anns if a.state == "online"]
+        others = [a for a in others if a.peer_id != self.peer_id]
+        for ann in self.rng.sample(others, k=min(len(others), 2)):
+            try:
+                self._bandwidth = await probe_bandwidth(self.p2p, ann.peer_id, self.manifest)
+                self._bandwidth_measured = True
+                down, up = self._bandwidth
+                logger.info(f"bandwidth to peer {ann.peer_id[-8:]}: {down * 8e-6:.0f} Mbit/s down, {up * 8e-6:.0f} up")
+                return self._bandwidth
+            except Exception as e:  # that peer may be gone; try another
+                logger.info(f"bandwidth probe of peer {ann.peer_id[-8:]} failed: {e!r}")
+        default = DEFAULT_BANDWIDTH_MBITS * 1e6 / 8
+        logger.info(f"no peer to measure bandwidth against; assuming {DEFAULT_BANDWIDTH_MBITS:.0f} Mbit/s for now")
+        self._bandwidth = (default, default)
+        return self._bandwidth
+
+    # ----------------------------------------------------------------------------------------- state
+
+    async def _online_peers_of(self, stage: int) -> list[Announcement]:
+        """Other online peers of `stage`, as last read from the DHT."""
+        online = online_peers(await self.view.stage(stage), get_dht_time())
+        return [a for a in online if a.peer_id != self.peer_id]
+
+    async def _take_over_state(self, server: StageServer) -> bool:
+        """Load the stage's state from one of its online peers (fastest first). True if loaded, or if no online
+        peer has it (the stage starts from its seed initialisation); False if every attempt failed."""
+        await self.view.all_stages(force=True)
+        sources = sorted(await self._online_peers_of(server.stage), key=lambda a: -a.throughput)[:STATE_SOURCES]
+        if not sources:
+            logger.info(f"no online peer serves stage {server.stage}: starting from its initial parameters")
+            return True
+        for source in sources:
+            try:
+                begin = time.monotonic()
+                items, steps = await download_state(self.p2p, source.peer_id, server, STATE_DOWNLOAD_TIMEOUT)
+                server.load_state(items, steps)
+                logger.info(
+                    f"took over the state of stage {server.stage} from peer {source.peer_id[-8:]} "
+                    f"({steps} optimizer steps) in {time.monotonic() - begin:.1f}s"
+                )
+                return True
+            except Exception as e:  # a refusal, a timeout or a malformed state: try another
+                logger.warning(f"state download of stage {server.stage} from {source.peer_id[-8:]} failed: {e!r}")
+        return False
+
+    # ---------------------------------------------------------------------------------------- moves
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Check the balance at random intervals until `stop` is set; move when the check says so."""
+        if self.options.stage is not None:
+            return  # pinned
+        period = self.manifest.balancing.check_period
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=period * self.rng.uniform(0.5, 1.5))
+                return
+            except TimeoutError:
+                pass
+            try:
+                target = await self.check()
+                if target is not None and not stop.is_set():
+                    await self.move(target)
+            except Exception as e:  # a failed check or move is not fatal: the peer goes on serving
+                logger.warning(f"balance check failed: {e!r}")
+
+    async def check(self) -> int | None:
+        """The stage to move to, if the balance says so at two looks a short random time apart."""
+        assert self.server is not None
+        if not self._bandwidth_measured and self.options.bandwidth_mbits is None:
+            await self._refresh_network_figure()
+        target = should_move(
+            self.peer_id, await self._loads(), self.manifest.num_stages, self.manifest.balancing.min_gain
+        )
+        if target is None:
+            return None
+        await asyncio.sleep(self.rng.uniform(0, JOIN_DELAY))
+        again = should_move(
+            self.peer_id, await self._loads(), self.manifest.num_stages, self.manifest.balancing.min_gain
+        )
+        return target if again == target else None
+
+    async def move(self, target: int) -> bool:
+        """Move to `target` (see the module's docstring); False if the move was called off."""
+        old = self.server
+        assert old is not None
+        logger.info(f"moving from stage {old.stage} to stage {target}")
+        new = await self._prepare(target)
+        await new.join(self.dht, self.p2p)
+        if not await self._take_over_state(new):
+            logger.warning(f"move to stage {target} called off: none of its peers could give its state")
+            await new.shutdown()
+            return False
+        await old.drain(DRAIN_TIMEOUT)
+        await old.shutdown()
+        await new.start(self.dht, self.p2p)
+        self._switch_to(new)
+        self.moves += 1
+        logger.info(f"now serving stage {target} ({new.throughput.serving:.1f} samples/s)")
+        return True
+
+    async def _refresh_network_figure(self) -> None:
+        """Replace the assumed default bandwidth by a measurement once another peer is there."""
+        assert self.server is not None
+        download, upload = await self._network_bandwidth()
+        if self._bandwidth_measured:
+            stage = self.server.stage
+            self.server.throughput = Throughput(
+                self.server.throughput.compute, network_throughput(self.manifest, stage, download, upload)
+            )
+
+    async def _loads(self) -> list[PeerLoad]:
+        loads = peer_loads(await self.view.all_stages(force=True), get_dht_time())
+        if self.server is not None and self.server.state == "online":
+            # this peer's own record in the DHT may be a few seconds old: use the truth
+            loads = [load for load in loads if load.peer_id != self.peer_id]
+            loads.append(
+                PeerLoad(self.peer_id, self.server.stage, self.server.throughput.serving, True, not self.server.pinned)
+            )
+        return loads
+
+    def _switch_to(self, server: StageServer) -> None:
+        self.server = server
+        self.on_switch(server)
+
+    async def shutdown(self) -> None:
+        if self.server is not None:
+            await self.server.shutdown()

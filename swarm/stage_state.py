@@ -1,0 +1,90 @@
+"""A stage's training state as named tensors: what a peer sends to another that starts serving the stage.
+
+The state is the stage's parameters and its optimizer's per-parameter statistics, named
+`param/<parameter name>` and `optim/<parameter name>/<statistic>`. Whatever arrives from another peer is
+checked against the stage's own model before it is used: the same names, shapes and dtypes, finite values,
+only the statistics this optimizer keeps. Then it is loaded in one go, or not at all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from swarm.errors import BadRequestError
+
+# statistics each optimizer keeps per parameter; "step" is a scalar, the others have the parameter's shape
+OPTIMIZER_STATISTICS = {
+    torch.optim.AdamW: ("step", "exp_avg", "exp_avg_sq"),
+    torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq"),
+    torch.optim.SGD: ("momentum_buffer",),
+}
+
+
+def state_tensors(
+    names: list[str], params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer
+) -> list[tuple[str, torch.Tensor]]:
+    """Copies (on the CPU, float32) of the parameters and the optimizer's statistics, by name."""
+    items = [(f"param/{name}", p.detach().float().cpu().clone()) for name, p in zip(names, params)]
+    for name, p in zip(names, params):
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(value, torch.Tensor):
+                items.append((f"optim/{name}/{key}", value.detach().float().cpu().clone()))
+    return items
+
+
+def expected_shapes(names: list[str], params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict:
+    """Every name a valid state may hold, with its shape."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    statistics = OPTIMIZER_STATISTICS.get(type(optimizer), ())
+    for name, p in zip(names, params):
+        shapes[f"param/{name}"] = tuple(p.shape)
+        for key in statistics:
+            shapes[f"optim/{name}/{key}"] = () if key == "step" else tuple(p.shape)
+    return shapes
+
+
+def load_state_tensors(
+    items: list[tuple[str, torch.Tensor]],
+    names: list[str],
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """Check a received state against this stage and load it (parameters and optimizer statistics).
+
+    Raises BadRequestError, leaving the model and optimizer untouched, if anything does not fit."""
+    allowed = expected_shapes(names, params, optimizer)
+    received: dict[str, torch.Tensor] = {}
+    for key, tensor in items:
+        if key not in allowed:
+            raise BadRequestError(f"the state holds {key[:200]!r}, which this stage does not have")
+        if key in received:
+            raise BadRequestError(f"the state holds {key!r} twice")
+        if tuple(tensor.shape) != allowed[key] or tensor.dtype != torch.float32:
+            raise BadRequestError(
+                f"state tensor {key!r} is {tensor.dtype} {list(tensor.shape)}, expected float32 {list(allowed[key])}"
+            )
+        if not math.isfinite(float(tensor.double().sum())):
+            raise BadRequestError(f"state tensor {key!r} holds NaN or Inf")
+        received[key] = tensor
+    missing = [f"param/{name}" for name in names if f"param/{name}" not in received]
+    if missing:
+        raise BadRequestError(f"the state lacks {len(missing)} parameters, e.g. {missing[0]!r}")
+    statistics = OPTIMIZER_STATISTICS.get(type(optimizer), ())
+    for name in names:
+        present = [key for key in statistics if f"optim/{name}/{key}" in received]
+        if present and len(present) != len(statistics):
+            raise BadRequestError(f"the state has only some optimizer statistics of {name!r}: {present}")
+
+    with torch.no_grad():
+        for name, p in zip(names, params):
+            p.copy_(received[f"param/{name}"].to(p.device, p.dtype))
+            p.grad = None
+            state = {}
+            for key in statistics:
+                value = received.get(f"optim/{name}/{key}")
+                if value is not None:
+                    # AdamW keeps "step" as a float32 scalar tensor on the CPU; the rest on the parameter's device
+                    state[key] = value.clone() if key == "step" else value.to(p.device, p.dtype).clone()
+            optimizer.state[p] = state

@@ -1,0 +1,91 @@
+"""Stage choice and moves with real peer processes: joiners take the bottleneck, peers move when a stage's
+peers are killed, and a moving peer takes over the stage's trained state."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_manifest_dict
+from peers.server import StageServer, download_state
+from swarm.manifest import manifest_from_dict
+from swarm.model import build_stage
+from swarm.throughput import Throughput
+from test_peer_process import client_dht
+
+pytestmark = pytest.mark.integration
+
+
+def status(peer, key: str, timeout: float = 60.0, until=lambda value: True):
+    """The newest value of `key` in the peer's JSON status lines, once `until(value)` holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [line for line in peer.status_lines() if key in line]
+        if lines and until(lines[-1][key]):
+            return lines[-1][key]
+        if peer.process.poll() is not None:
+            raise AssertionError(f"peer exited:\n{peer.output()[-3000:]}")
+        time.sleep(0.3)
+    raise AssertionError(f"{key} never satisfied the condition:\n{peer.output()[-3000:]}")
+
+
+def test_a_joining_peer_takes_the_stage_with_least_throughput(start_peer, write_manifest):
+    raw = tiny_manifest_dict(model={"depth": 3}, stages={"count": 3})
+    first = start_peer(write_manifest(raw), "--stage", "0", "--throughput", "100", "--no-trainer")
+    raw["initial_peers"] = [first.maddr()]
+    path = write_manifest(raw, "joined.json")
+    start_peer(path, "--stage", "1", "--throughput", "10", "--no-trainer").wait_for("serving stage 1")
+    start_peer(path, "--stage", "2", "--throughput", "40", "--no-trainer").wait_for("serving stage 2")
+    joiner = start_peer(path, "--throughput", "20", "--no-trainer")
+    joiner.wait_for(r"serving stage \d")
+    assert "serving stage 1" in joiner.output()  # 10 samples/s there, against 100 and 40
+    # the swarm is now 100 / 30 / 40: a second joiner takes stage 1 again, a third stage 2
+    second = start_peer(path, "--throughput", "20", "--no-trainer")
+    second.wait_for(r"serving stage \d")
+    assert "serving stage 1" in second.output(), second.output()
+
+
+def test_a_peer_moves_to_a_weakened_stage_and_takes_over_its_trained_state(start_peer, write_manifest):
+    raw = tiny_manifest_dict(balancing={"check_period": 2.0, "min_gain": 0.1})
+    manifest = manifest_from_dict(raw)
+    trainer = start_peer(write_manifest(raw), "--stage", "0", "--throughput", "100", "--status-every", "1")
+    raw["initial_peers"] = [trainer.maddr()]
+    path = write_manifest(raw, "joined.json")
+    keeper = start_peer(path, "--stage", "0", "--throughput", "5", "--no-trainer", "--status-every", "1")
+    start_peer(path, "--stage", "1", "--throughput", "20", "--no-trainer").wait_for("serving stage 1")
+    keeper.wait_for("serving stage 0")
+    mover = start_peer(path, "--throughput", "50", "--no-trainer", "--status-every", "1")
+    mover.wait_for("serving stage 1")  # 105 samples/s serve stage 0, 20 stage 1
+    assert status(mover, "moves") == 0
+
+    # the trainer sends some microbatches to the slow stage-0 peer too (untried peers are tried early)
+    status(keeper, "optimizer_steps", until=lambda steps: steps >= 3)
+    trainer.kill()  # stage 0 is left with 5 samples/s, stage 1 has 70: the mover must go to stage 0
+    assert status(mover, "stage", timeout=60, until=lambda stage: stage == 0) == 0
+    assert status(mover, "moves") == 1
+    assert "took over the state of stage 0 from peer" in mover.output()
+
+    # it serves the trained parameters (nobody trains any more: they must be exactly the keeper's)
+    dht = client_dht(mover.maddr())
+    try:
+
+        async def fetch(peer_id: str) -> dict[str, torch.Tensor]:
+            p2p = await dht.replicate_p2p()
+            template = StageServer(manifest, 0, build_stage(manifest, 0), torch.device("cpu"), "x", Throughput(1, 1))
+            items, _ = await download_state(p2p, peer_id, template, timeout=30)
+            return dict(items)
+
+        moved = asyncio.run(fetch(mover.peer_id()))
+        kept = asyncio.run(fetch(keeper.peer_id()))
+    finally:
+        dht.shutdown()
+    initial = dict(build_stage(manifest, 0).named_parameters())
+    assert moved.keys() == kept.keys() and any(key.startswith("optim/") for key in moved)
+    for key, value in kept.items():
+        assert torch.equal(moved[key], value), key
+    assert any(not torch.equal(moved[f"param/{name}"], p.detach()) for name, p in initial.items())
+    time.sleep(3)  # and it stays there: the swarm is balanced as well as it can be
+    assert status(mover, "moves") == 1
