@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -189,10 +190,15 @@ def evaluate_fresh_model(manifest: Manifest, batches: list) -> float:
     return sum(losses) / len(losses)
 
 
-def start_peer(manifest_path: Path, stage: int, log_path: Path, trainer: bool = True) -> subprocess.Popen:
-    args = ["--join", str(manifest_path), "--stage", str(stage), "--host-maddrs", runtime.LOOPBACK[0]]
+def start_peer(
+    manifest_path: Path, stage: int | None, log_path: Path, trainer: bool = True, extra: Sequence[str] = ()
+) -> subprocess.Popen:
+    """Start a swarm-peer process on loopback (serving `stage`, or choosing one itself if None)."""
+    args = ["--join", str(manifest_path), "--host-maddrs", runtime.LOOPBACK[0]]
+    args += [] if stage is None else ["--stage", str(stage)]
     args += ["--threads", "1", "--status-every", "5", "--log-level", "WARNING", "--json"]
     args += [] if trainer else ["--no-trainer"]
+    args += list(extra)
     # Its own session: Ctrl-C reaches only the demo, which then stops every peer cleanly.
     with open(log_path, "wb") as log:  # the child keeps its own copy of the file descriptor
         return subprocess.Popen(

@@ -37,9 +37,11 @@ from swarm.records import Announcement, SwarmView
 from swarm.routing import online_peers
 from swarm.throughput import (
     DEFAULT_BANDWIDTH_MBITS,
+    SimulatedSpeed,
     Throughput,
     cached_compute_throughput,
     default_cache_path,
+    measure_compute_throughput,
     network_throughput,
 )
 
@@ -92,6 +94,7 @@ class Rebalancer:
         self.moves = 0
         self._bandwidth: tuple[float, float] | None = None  # (download, upload) bytes/s
         self._bandwidth_measured = False  # False while it is the stated default (nobody to measure against)
+        self._simulated: dict[int, SimulatedSpeed] = {}  # per stage, with --simulated-speed
 
     # -------------------------------------------------------------------------------------------- join
 
@@ -140,7 +143,7 @@ class Rebalancer:
             throughput,
             pinned=self.options.stage is not None,
             public_name=self.options.public_name,
-            simulated_speed=self.options.simulated_speed,
+            simulated=self._simulated.get(stage),
             started=self.started,
         )
 
@@ -156,15 +159,15 @@ class Rebalancer:
 
     def _compute_throughput(self, stage: int, model) -> float:
         value, cached = cached_compute_throughput(
-            model,
-            self.manifest,
-            stage,
-            self.device,
-            simulated_speed=self.options.simulated_speed,
-            remeasure=self.options.throughput == "eval",
+            model, self.manifest, stage, self.device, remeasure=self.options.throughput == "eval"
         )
         source = f"cached in {default_cache_path()}" if cached else "measured"
         logger.info(f"compute throughput of stage {stage}: {value:.1f} samples/s ({source})")
+        if self.options.simulated_speed < 1.0:
+            simulated = SimulatedSpeed(self.options.simulated_speed, reference=value)
+            self._simulated[stage] = simulated
+            value = measure_compute_throughput(model, self.manifest, self.device, simulated=simulated)
+            logger.info(f"simulating a device {simulated.speed:g}x as fast: measured {value:.1f} samples/s")
         return value
 
     async def _network_bandwidth(self) -> tuple[float, float]:

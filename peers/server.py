@@ -36,12 +36,13 @@ from swarm.model import StageModel
 from swarm.records import MAX_THROUGHPUT, Announcement, store_announcement
 from swarm.stage_state import expected_shapes, load_state_tensors, state_tensors
 from swarm.throughput import (
+    FORWARD_SHARE,
     PROBE_BYTES,
     DeliveredThroughput,
+    SimulatedSpeed,
     Throughput,
     device_name,
     measure_bandwidth,
-    simulate_slowdown,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,10 @@ NAMESPACE = "swarm"
 MAX_PENDING_REQUESTS = 64
 MAX_CONTROL_CALLS = 4  # probes and state downloads served at once; each holds up to a stage's state in memory
 ACTIVATION_CACHE_BYTES = 1 << 30
+
+
+class WrongStageError(Exception):
+    """A request for another stage than the one this peer serves (it has moved, or the caller's view is old)."""
 
 
 class UnknownMicrobatchError(Exception):
@@ -76,7 +81,7 @@ class StageServer(ServicerBase):
         *,
         pinned: bool = False,
         public_name: str = "",
-        simulated_speed: float = 1.0,
+        simulated: SimulatedSpeed | None = None,
         started: float | None = None,
     ):
         self.manifest = manifest
@@ -87,7 +92,7 @@ class StageServer(ServicerBase):
         self.throughput = throughput
         self.pinned = pinned
         self.public_name = public_name
-        self.simulated_speed = simulated_speed
+        self.simulated = simulated  # testing aid: emulate a slower device
         self.started = time.monotonic() if started is None else started  # when the peer (not this stage) began
         self.delivered = DeliveredThroughput()
         self.first = stage == 0
@@ -310,10 +315,15 @@ class StageServer(ServicerBase):
     def _process(self, kind: str, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
         try:
             req = protocol.decode_request(request, self.manifest, self.max_elements)
+            if req.stage != self.stage:
+                raise WrongStageError(f"this peer serves stage {self.stage} now, not stage {req.stage}")
             self._forget_stale_forwards()
             begin = time.perf_counter()
             outputs = self._forward(req, caller) if kind == "forward" else self._backward(req, caller)
-            simulate_slowdown(time.perf_counter() - begin, self.simulated_speed)
+            if self.simulated is not None:
+                full = kind == "forward" and self.last and req.train  # the last stage runs backward too
+                share = 1.0 if full else FORWARD_SHARE if kind == "forward" else 1.0 - FORWARD_SHARE
+                self.simulated.pad(begin, req.tensors[0].shape[0], share)
             return protocol.make_reply(outputs, self.manifest.training.activation_compression)
         except BadRequestError as e:
             self.bad_requests += 1
@@ -321,6 +331,8 @@ class StageServer(ServicerBase):
             return protocol.make_error_reply(str(e), "bad_request")
         except UnknownMicrobatchError as e:
             return protocol.make_error_reply(str(e), "unknown_microbatch")
+        except WrongStageError as e:
+            return protocol.make_error_reply(str(e), "wrong_stage")
         except Exception as e:  # a bug or a device error: report it, keep serving
             logger.exception(f"{kind} failed")
             return protocol.make_error_reply(f"internal error on the stage peer: {type(e).__name__}: {e}", "internal")

@@ -143,9 +143,9 @@ class Trainer:
         expect = [] if stage == 0 else [hidden]
         try:
             # the peer that ran forward still holds the activations: send only the gradient
-            outputs = await self._call_peer(hop.peer_id, "backward", microbatch_id, [grad], expect, deadline)
+            outputs = await self._call_peer(stage, hop.peer_id, "backward", microbatch_id, [grad], expect, deadline)
         except RemoteStageError as e:
-            if e.code not in ("unknown_microbatch", "busy"):
+            if e.code not in ("unknown_microbatch", "busy", "wrong_stage"):
                 self._ban(hop.peer_id, f"backward on stage {stage}: {e}")
             # the peer lost the activations (or is busy): let it, or another peer, recompute from the inputs
             prefer = hop.peer_id if e.code in ("unknown_microbatch", "busy") else None
@@ -214,14 +214,14 @@ class Trainer:
             succeeded = False
             try:
                 begin = time.monotonic()
-                outputs = await self._call_peer(peer_id, kind, microbatch_id, tensors, expect, deadline, train)
+                outputs = await self._call_peer(stage, peer_id, kind, microbatch_id, tensors, expect, deadline, train)
                 succeeded = True
                 if kind == "forward":
                     self.router.observed(peer_id, samples, time.monotonic() - begin)
                 return peer_id, outputs
             except RemoteStageError as e:
                 last_error = e
-                if e.code != "busy":
+                if e.code not in ("busy", "wrong_stage"):  # a peer that moved did nothing wrong
                     self._ban(peer_id, f"{kind} on stage {stage}: {e}")
             except asyncio.CancelledError:
                 raise
@@ -237,6 +237,7 @@ class Trainer:
 
     async def _call_peer(
         self,
+        stage: int,
         peer_id: str,
         kind: str,
         microbatch_id: str,
@@ -250,7 +251,7 @@ class Trainer:
         timeout = min(
             timeouts.forward if kind == "forward" else timeouts.backward, max(deadline - time.monotonic(), 0.1)
         )
-        request = protocol.make_request(self.manifest, microbatch_id, tensors, train=train)
+        request = protocol.make_request(self.manifest, stage, microbatch_id, tensors, train=train)
         if self.local_server is not None and peer_id == self.peer_id:
             reply = await asyncio.wait_for(self.local_server.handle(kind, request, self.peer_id), timeout)
         else:

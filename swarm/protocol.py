@@ -10,7 +10,11 @@ Forward request:   tensors [inputs] or, on the last stage, [inputs, targets]; me
 Forward reply:     [outputs] on other stages; on the last stage [loss] or, when training, [loss, grad_inputs].
 Backward request:  tensors [grad_outputs] or [grad_outputs, inputs] (inputs let any peer recompute forward).
 Backward reply:    [grad_inputs], or no tensor on stage 0 (its inputs are tokens).
-Error reply:       no tensors; metadata {error: message, code: bad_request | busy | unknown_microbatch | internal}.
+Error reply:       no tensors; metadata {error: message, code: bad_request | busy | unknown_microbatch |
+                   wrong_stage | internal}.
+
+Every request names the stage it is meant for: a peer that has moved to another stage answers `wrong_stage`
+instead of applying, say, a gradient of stage 1 to the weights of stage 2 (their shapes can be equal).
 """
 
 from __future__ import annotations
@@ -47,13 +51,14 @@ _BYTES_PER_ELEMENT = {
 
 Message = TypeVar("Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 
-ERROR_CODES = ("bad_request", "busy", "unknown_microbatch", "internal")
+ERROR_CODES = ("bad_request", "busy", "unknown_microbatch", "wrong_stage", "internal")
 
 
 @dataclass
 class StageRequest:
     """A decoded request: metadata and tensor headers validated, shapes not yet checked against the stage."""
 
+    stage: int
     microbatch_id: str
     train: bool
     tensors: list[torch.Tensor]
@@ -69,11 +74,12 @@ def encode_tensor(tensor: torch.Tensor, compression: str = "float32") -> runtime
 
 
 def make_request(
-    manifest: Manifest, microbatch_id: str, tensors: list[torch.Tensor], train: bool = True
+    manifest: Manifest, stage: int, microbatch_id: str, tensors: list[torch.Tensor], train: bool = True
 ) -> runtime_pb2.ExpertRequest:
     metadata = {
         "swarm_id": manifest.swarm_id,
         "protocol_version": PROTOCOL_VERSION,
+        "stage": stage,
         "microbatch_id": microbatch_id,
         "train": train,
     }
@@ -143,6 +149,9 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
 def decode_request(request: runtime_pb2.ExpertRequest, manifest: Manifest, max_elements: int) -> StageRequest:
     """Validate the metadata and tensor headers of a request (not yet its shapes against the stage)."""
     metadata = decode_metadata(request, manifest)
+    stage = metadata.get("stage")
+    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < manifest.num_stages:
+        raise BadRequestError(f"stage must be an integer from 0 to {manifest.num_stages - 1}")
     microbatch_id = metadata.get("microbatch_id")
     if not isinstance(microbatch_id, str) or not 0 < len(microbatch_id) <= MAX_MICROBATCH_ID:
         raise BadRequestError(f"microbatch_id must be a string of 1 to {MAX_MICROBATCH_ID} characters")
@@ -152,7 +161,7 @@ def decode_request(request: runtime_pb2.ExpertRequest, manifest: Manifest, max_e
     if len(request.tensors) > 2:
         raise BadRequestError(f"{len(request.tensors)} tensors sent, at most 2 are accepted")
     tensors = [decode_tensor(t, max_elements, f"tensor {i}") for i, t in enumerate(request.tensors)]
-    return StageRequest(microbatch_id=microbatch_id, train=train, tensors=tensors)
+    return StageRequest(stage=stage, microbatch_id=microbatch_id, train=train, tensors=tensors)
 
 
 def decode_metadata(request: runtime_pb2.ExpertRequest, manifest: Manifest) -> dict:

@@ -11,8 +11,10 @@ to measure and do not change; network figures are measured again on each start (
 reachable). While serving, a peer also keeps an EMA of the throughput it actually delivers
 (`DeliveredThroughput`).
 
-`simulated_speed` (testing aid, `swarm-peer --simulated-speed`): a peer with speed s sleeps (1/s - 1) times as
-long as each piece of compute took, so it behaves, and measures, like a device s times as fast.
+`SimulatedSpeed` (testing aid, `swarm-peer --simulated-speed S`): each compute step is padded with sleep until
+it has lasted 1/S times as long as this device needs for it by its measured (cached) throughput, so the peer
+serves, and measures, like a device S times as fast. Padding to the measured time, rather than multiplying
+each step's own duration, keeps momentary CPU contention from being amplified 1/S times.
 """
 
 from __future__ import annotations
@@ -41,10 +43,22 @@ DELIVERED_HALF_LIFE = 30.0  # seconds; the delivered-throughput EMA forgets at t
 # ---------------------------------------------------------------------------------------------- compute
 
 
-def simulate_slowdown(elapsed: float, simulated_speed: float) -> None:
-    """Sleep so that work that took `elapsed` seconds appears to run at `simulated_speed` (1.0: no delay)."""
-    if simulated_speed < 1.0:
-        time.sleep(elapsed * (1.0 / simulated_speed - 1.0))
+FORWARD_SHARE = 1 / 3  # of a sample's forward+backward time that its forward takes (backward: the rest)
+
+
+@dataclass(frozen=True)
+class SimulatedSpeed:
+    """Testing aid: make this device behave as if it were `speed` times as fast (speed <= 1)."""
+
+    speed: float
+    reference: float  # this device's real forward+backward samples per second for the stage
+
+    def pad(self, begin: float, samples: int, share: float = 1.0) -> None:
+        """Sleep until work on `samples` samples, begun at `begin` (perf_counter) and `share` of a full
+        forward+backward, has lasted as long as it would on the emulated device."""
+        delay = begin + share * samples / (self.reference * self.speed) - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
 
 
 def measure_compute_throughput(
@@ -52,7 +66,7 @@ def measure_compute_throughput(
     manifest: Manifest,
     device: torch.device,
     repetitions: int = 3,
-    simulated_speed: float = 1.0,
+    simulated: SimulatedSpeed | None = None,
 ) -> float:
     """Samples per second of forward + backward of one microbatch on a copy of the inputs (weights untouched).
 
@@ -71,7 +85,8 @@ def measure_compute_throughput(
         out = model(inputs)
         torch.autograd.grad(out.float().square().mean(), params)  # grads are returned, never accumulated
         _synchronize(device)
-        simulate_slowdown(time.perf_counter() - begin, simulated_speed)
+        if simulated is not None:
+            simulated.pad(begin, batch)
 
     once()  # warm-up
     start = time.perf_counter()
@@ -144,8 +159,8 @@ def default_cache_path() -> Path:
     return Path(root) / "throughput.json"
 
 
-def compute_cache_key(manifest: Manifest, stage: int, device: torch.device, simulated_speed: float) -> str:
-    """What a compute figure depends on: device, model config, stage shape, microbatch size, slowdown."""
+def compute_cache_key(manifest: Manifest, stage: int, device: torch.device) -> str:
+    """What a compute figure depends on: device, model config, stage shape, microbatch size."""
     parts = {
         "device": device_name(device),
         "model": asdict(manifest.model),
@@ -153,7 +168,6 @@ def compute_cache_key(manifest: Manifest, stage: int, device: torch.device, simu
         "first": stage == 0,
         "last": stage == manifest.num_stages - 1,
         "microbatch_size": manifest.training.microbatch_size,
-        "simulated_speed": simulated_speed,
         "torch": torch.__version__,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
@@ -164,16 +178,15 @@ def cached_compute_throughput(
     manifest: Manifest,
     stage: int,
     device: torch.device,
-    simulated_speed: float = 1.0,
     remeasure: bool = False,
     path: Path | None = None,
 ) -> tuple[float, bool]:
     """(samples/s, whether it came from the cache): the cached figure, or a new measurement, then cached."""
     path = path or default_cache_path()
-    key = compute_cache_key(manifest, stage, device, simulated_speed)
+    key = compute_cache_key(manifest, stage, device)
     if not remeasure and (cached := read_cached(path, key)) is not None:
         return cached, True
-    value = measure_compute_throughput(model, manifest, device, simulated_speed=simulated_speed)
+    value = measure_compute_throughput(model, manifest, device)
     write_cached(path, key, value)
     return value, False
 

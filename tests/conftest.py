@@ -58,6 +58,13 @@ def tiny_manifest_dict(**overrides) -> dict:
     return manifest
 
 
+def client_dht(maddr: str):
+    """A DHT client in the test process, joined to the swarm through `maddr` (stop it with .shutdown())."""
+    from hivemind import DHT
+
+    return DHT(initial_peers=[maddr], start=True, client_mode=True, host_maddrs=[LOOPBACK])
+
+
 class PeerProcess:
     """One `swarm-peer` process in its own process group, with its output in a log file."""
 

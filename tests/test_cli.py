@@ -44,8 +44,9 @@ def test_help_shows_examples():
         ({"model": {"heads": 3}}, [], "'model.heads'"),
         ({}, ["--stage", "7"], "--stage 7"),
         ({}, ["--host-maddrs", "/ip4/not-an-ip/tcp/0"], "--host-maddrs"),
+        ({"balancing": {"min_gain": -1}}, [], "'balancing.min_gain'"),
     ],
-    ids=["missing-manifest", "bad-field", "stage-out-of-range", "bad-host-maddr"],
+    ids=["missing-manifest", "bad-field", "stage-out-of-range", "bad-host-maddr", "bad-balancing"],
 )
 def test_bad_input_gets_a_clear_error(tmp_path, manifest, flags, expected):
     path = tmp_path / "m.json"
@@ -65,6 +66,15 @@ def test_bad_input_gets_a_clear_error(tmp_path, manifest, flags, expected):
         ("peers.peer", ["--duration", "0"], "--duration must be positive"),
         ("peers.peer", ["--status-every", "-1"], "--status-every must be positive"),
         ("peers.peer", ["--device", "tpu"], "invalid choice"),
+        ("peers.peer", ["--throughput", "fast"], "--throughput must be auto, eval or a number"),
+        ("peers.peer", ["--throughput", "-3"], "--throughput must be auto, eval or a number"),
+        ("peers.peer", ["--throughput", "nan"], "--throughput must be auto, eval or a number"),
+        ("peers.peer", ["--throughput", "1e300"], "--throughput must be auto, eval or a number"),
+        ("peers.peer", ["--bandwidth", "0"], "--bandwidth must be a positive number"),
+        ("peers.peer", ["--simulated-speed", "2"], "--simulated-speed must be in (0, 1]"),
+        ("peers.peer", ["--simulated-speed", "0"], "--simulated-speed must be in (0, 1]"),
+        ("peers.peer", ["--public-name", "x" * 65], "--public-name must be at most 64"),
+        ("peers.peer", ["--public-name", "bell\a"], "--public-name must be at most 64"),
         ("peers.demo", ["--peers", "0"], "--peers must be at least 1"),
         ("peers.demo", ["--duration", "-5"], "--duration must be positive"),
         ("peers.demo", ["--peers", "1"], "each needs a peer"),

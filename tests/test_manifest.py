@@ -55,7 +55,7 @@ def _set(raw: dict, dotted: str, value) -> dict:
     *parents, last = dotted.split(".")
     target = raw
     for key in parents:
-        target = target[key]
+        target = target.setdefault(key, {})
     if value is _DELETE:
         del target[last]
     else:
@@ -98,6 +98,11 @@ BAD_FIELDS = [
     ("data.heldout_fraction", 0.9, "data.heldout_fraction"),
     ("data.shards", 0, "data.shards"),
     ("network.announce_period", 0, "network.announce_period"),
+    ("balancing", [], "balancing"),
+    ("balancing.check_period", 0, "balancing.check_period"),
+    ("balancing.min_gain", -0.1, "balancing.min_gain"),
+    ("balancing.min_gain", "big", "balancing.min_gain"),
+    ("balancing.mingain", 0.1, "balancing.mingain"),
     ("initial_peers", "not-a-list", "initial_peers"),
     (
         "initial_peers",

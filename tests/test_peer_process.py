@@ -11,7 +11,7 @@ import pytest
 import torch
 from hivemind import DHT
 
-from conftest import LOOPBACK, tiny_manifest_dict
+from conftest import client_dht, tiny_manifest_dict
 from peers.server import call_stage
 from peers.trainer import Trainer
 from swarm import protocol
@@ -21,10 +21,6 @@ from swarm.manifest import manifest_from_dict
 from swarm.records import fetch_announcements, fetch_trainer_reports
 
 pytestmark = pytest.mark.integration
-
-
-def client_dht(maddr: str) -> DHT:
-    return DHT(initial_peers=[maddr], start=True, client_mode=True, host_maddrs=[LOOPBACK])
 
 
 def wait_online(dht: DHT, manifest, counts: list[int], timeout: float = 60.0) -> None:
@@ -141,8 +137,8 @@ def test_malformed_requests_get_errors_and_leave_weights_unchanged(start_peer, w
         tokens = torch.randint(0, 256, (batch, length))
         other = manifest_from_dict({**raw, "name": "another-swarm"})
 
-        def request(tensors, m=manifest, microbatch_id="mb", train=True):
-            return protocol.make_request(m, microbatch_id, tensors, train=train)
+        def request(tensors, m=manifest, microbatch_id="mb", train=True, stage=1):
+            return protocol.make_request(m, stage, microbatch_id, tensors, train=train)
 
         nan_hidden = hidden.clone()
         nan_hidden[0, 0, 0] = float("nan")
@@ -158,23 +154,29 @@ def test_malformed_requests_get_errors_and_leave_weights_unchanged(start_peer, w
             "wrong shape": (stage1, "forward", request([torch.randn(batch, length, width + 1), targets])),
             "wrong dtype": (stage1, "forward", request([hidden.double().float().half().float().long(), targets])),
             "NaN": (stage1, "forward", request([nan_hidden, targets])),
-            "tokens out of range": (stage0, "forward", request([tokens + 300])),
-            "negative tokens": (stage0, "forward", request([tokens - 300])),
+            "tokens out of range": (stage0, "forward", request([tokens + 300], stage=0)),
+            "negative tokens": (stage0, "forward", request([tokens - 300], stage=0)),
             "targets out of range": (stage1, "forward", request([hidden, targets + 256])),
             "oversized batch": (
                 stage1,
                 "forward",
                 request([torch.randn(batch * 4, length, width), targets.repeat(4, 1)]),
             ),
-            "too long": (stage0, "forward", request([torch.randint(0, 256, (batch, length * 2))])),
+            "too long": (stage0, "forward", request([torch.randint(0, 256, (batch, length * 2))], stage=0)),
             "wrong swarm id": (stage1, "forward", request([hidden, targets], m=other)),
             "wrong protocol version": (stage1, "forward", bad_version),
             "garbage metadata": (stage1, "forward", garbage),
             "truncated buffer": (stage1, "forward", truncated),
             "missing targets": (stage1, "forward", request([hidden])),
-            "backward of unknown microbatch": (stage0, "backward", request([hidden], microbatch_id="never-seen")),
+            "backward of unknown microbatch": (
+                stage0,
+                "backward",
+                request([hidden], microbatch_id="never-seen", stage=0),
+            ),
             "backward to the last stage": (stage1, "backward", request([hidden, hidden])),
-            "NaN gradient": (stage0, "backward", request([nan_hidden, tokens])),
+            "NaN gradient": (stage0, "backward", request([nan_hidden, tokens], stage=0)),
+            "wrong stage": (stage0, "backward", request([hidden, hidden], stage=1)),
+            "stage out of range": (stage0, "forward", request([tokens], stage=7)),
         }
 
         async def run():
@@ -187,7 +189,7 @@ def test_malformed_requests_get_errors_and_leave_weights_unchanged(start_peer, w
 
             async def first_stage_output() -> torch.Tensor:
                 reply = await call_stage(
-                    p2p, stage0, "forward", request([tokens], train=False), 10, batch * length * width
+                    p2p, stage0, "forward", request([tokens], train=False, stage=0), 10, batch * length * width
                 )
                 return protocol.decode_reply(reply, 10**8)[0]
 
@@ -211,7 +213,9 @@ def test_malformed_requests_get_errors_and_leave_weights_unchanged(start_peer, w
         assert torch.equal(before0, after0)
         assert set(errors) == set(cases)
         for name, error in errors.items():
-            expected = "unknown_microbatch" if "unknown" in name else "bad_request"
+            expected = {"backward of unknown microbatch": "unknown_microbatch", "wrong stage": "wrong_stage"}.get(
+                name, "bad_request"
+            )
             assert error.code == expected, (name, error)
             assert len(str(error)) > 10
         assert "swarm" in str(errors["wrong swarm id"]) and "protocol" in str(errors["wrong protocol version"])
@@ -266,7 +270,7 @@ def test_large_activations_go_by_stream(start_peer, write_manifest):
             trainer = Trainer(manifest, dht, p2p, str(dht.peer_id), seed=0)
             await trainer.train(tokens.train, asyncio.Event(), max_samples=32 * 3)
             # an oversized message by stream is refused while it arrives, and the peer stays up
-            huge = protocol.make_request(manifest, "big", [torch.randn(64, 64, 512), torch.zeros(64, 64).long()])
+            huge = protocol.make_request(manifest, 1, "big", [torch.randn(64, 64, 512), torch.zeros(64, 64).long()])
             reply = await call_stage(p2p, last.peer_id(), "forward", huge, 30, 64 * 64 * 512)
             with pytest.raises(RemoteStageError) as info:
                 protocol.decode_reply(reply, 10**9)

@@ -9,12 +9,11 @@ import time
 import pytest
 import torch
 
-from conftest import tiny_manifest_dict
+from conftest import client_dht, tiny_manifest_dict
 from peers.server import StageServer, download_state
 from swarm.manifest import manifest_from_dict
 from swarm.model import build_stage
 from swarm.throughput import Throughput
-from test_peer_process import client_dht
 
 pytestmark = pytest.mark.integration
 
