@@ -166,7 +166,7 @@ class Rebalancer:
         if self.options.simulated_speed < 1.0:
             simulated = SimulatedSpeed(self.options.simulated_speed, reference=value)
             self._simulated[stage] = simulated
-            value = measure_compute_throughput(model, self.manifest, self.device, simulated=simulated)
+            value = measure_compute_throughput(model, self.manifest, self.device, simulated=simulated, rounds=1)
             logger.info(f"simulating a device {simulated.speed:g}x as fast: measured {value:.1f} samples/s")
         return value
 

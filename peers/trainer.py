@@ -314,5 +314,7 @@ class Trainer:
             )
             try:
                 await store_trainer_report(self.dht, self.manifest.swarm_id, report, 3 * period)
+                announced = {a.peer_id for anns in await self.view.all_stages() for a in anns}
+                self.router.forget(keep=announced)  # what was learnt of peers long gone
             except Exception as e:
                 logger.warning(f"trainer report failed: {e!r}")
