@@ -247,8 +247,9 @@ class Rebalancer:
         assert self.server is not None
         if not self._bandwidth_measured and self.options.bandwidth_mbits is None:
             await self._refresh_network_figure()
+        # checks are frequent and cheap: they read the cached records; only a decision to move reads them afresh
         target = should_move(
-            self.peer_id, await self._loads(), self.manifest.num_stages, self.manifest.balancing.min_gain
+            self.peer_id, await self._loads(force=False), self.manifest.num_stages, self.manifest.balancing.min_gain
         )
         if target is None:
             return None
@@ -287,8 +288,9 @@ class Rebalancer:
                 self.server.throughput.compute, network_throughput(self.manifest, stage, download, upload)
             )
 
-    async def _loads(self) -> list[PeerLoad]:
-        loads = peer_loads(await self.view.all_stages(force=True), get_dht_time())
+    async def _loads(self, force: bool = True) -> list[PeerLoad]:
+        """Balancing's picture of the swarm: fresh from the DHT if `force`, else at most an announce period old."""
+        loads = peer_loads(await self.view.all_stages(force=force), get_dht_time())
         if self.server is not None and self.server.state == "online":
             # this peer's own record in the DHT may be a few seconds old: use the truth
             loads = [load for load in loads if load.peer_id != self.peer_id]

@@ -71,7 +71,7 @@ class NetworkConfig:
 
 @dataclass(frozen=True)
 class BalancingConfig:
-    check_period: float = 60.0  # mean seconds between a peer's checks of the balance (each randomized 0.5-1.5x)
+    check_period: float = 10.0  # mean seconds between a peer's checks of the balance (each randomized 0.5-1.5x)
     min_gain: float = 0.1  # peers move only if that raises the swarm's bottleneck by more than this fraction
 
 
