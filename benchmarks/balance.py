@@ -8,10 +8,15 @@ training, run three ways:
 Then, in (a), all peers of the most crowded stage but one are killed, and the time until the swarm's
 throughput is back within 10% of its new optimum is measured.
 
+Peer speeds are emulated with --simulated-speed: a speed-1 peer serves `--unit` samples/s. The model has 4
+layers per stage, so that the embeddings (first stage) and the head (last stage) change a stage's cost by only
+a few percent, and a peer's speed is about the same at every stage, as the speeds list assumes. The real
+compute is at most ~15% of a peer's emulated time, so 8 peers (and their trainers) fit on 2 cores.
+
 Prints one JSON line: samples/s of each run, a/c, b/c, stage moves, recovery seconds. Progress goes to stderr.
 
     python benchmarks/balance.py                      # speeds 1,1,1,1,2,2,4,4; takes about 8 minutes
-    python benchmarks/balance.py --speeds 1,2,3,4,5,6 --unit 6
+    python benchmarks/balance.py --speeds 1,2,3,4,5,6 --unit 4
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def log(message: str) -> None:
 def manifest_dict(name: str, initial_peers: list[str], check_period: float, min_gain: float) -> dict:
     return {
         "name": name,
-        "model": {"vocab_size": 256, "width": 96, "depth": 2 * STAGES, "heads": 2, "context_length": 64, "seed": 0},
+        "model": {"vocab_size": 256, "width": 96, "depth": 4 * STAGES, "heads": 2, "context_length": 64, "seed": 0},
         "stages": {"count": STAGES},
         "training": {
             "microbatch_size": 8,
@@ -177,7 +182,7 @@ def pinned_run(name, raw, logs, speeds, simulated, stages, warmup, window) -> fl
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--speeds", default="1,1,1,1,2,2,4,4", help="relative speeds of the peers")
-    parser.add_argument("--unit", type=float, default=8.0, help="samples/s of a speed-1 peer (default: 8)")
+    parser.add_argument("--unit", type=float, default=6.0, help="samples/s of a speed-1 peer (default: 6)")
     parser.add_argument("--check-period", type=float, default=10.0, help="mean seconds between balance checks")
     parser.add_argument("--min-gain", type=float, default=0.1)
     parser.add_argument("--stagger", type=float, default=4.0, help="seconds between peer starts in run (a)")
