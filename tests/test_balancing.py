@@ -361,3 +361,22 @@ def test_naive_rule_oscillates_where_the_plan_settles(concurrent):
         ours, final = simulate(peers, 5, planned_target, rounds=20, seed=seed, concurrent=concurrent)
         assert sum(ours[3:]) == 0, ours
         assert efficiency(final, 5) >= 0.9
+
+
+def test_announcements_become_loads_joining_and_pinned_peers_included_but_not_movable():
+    from peers.rebalancer import peer_loads
+    from swarm.records import Announcement
+
+    def ann(peer_id: str, state: str, pinned: bool = False, expiration: float = 100.0) -> Announcement:
+        return Announcement(peer_id, 0, state, 5.0, pinned=pinned, expiration=expiration)
+
+    loads = peer_loads(
+        [[ann("on", "online"), ann("join", "joining"), ann("pin", "online", pinned=True)], [ann("off", "offline")]]
+        + [[ann("old", "online", expiration=5.0)]],
+        now=10.0,
+    )
+    assert [(p.peer_id, p.online, p.movable) for p in loads] == [
+        ("on", True, True),
+        ("join", False, True),
+        ("pin", True, False),
+    ]
