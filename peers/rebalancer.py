@@ -30,7 +30,7 @@ from hivemind.utils import get_dht_time
 
 from peers.server import StageServer, download_state, probe_bandwidth
 from swarm.balancing import PeerLoad, choose_stage, should_move
-from swarm.errors import PeerStartError
+from swarm.errors import PeerStartError, SwarmError
 from swarm.manifest import Manifest
 from swarm.model import build_stage
 from swarm.records import Announcement, SwarmView
@@ -189,7 +189,8 @@ class Rebalancer:
             except Exception as e:  # that peer may be gone; try another
                 logger.info(f"bandwidth probe of peer {ann.peer_id[-8:]} failed: {e!r}")
         default = DEFAULT_BANDWIDTH_MBITS * 1e6 / 8
-        logger.info(f"no peer to measure bandwidth against; assuming {DEFAULT_BANDWIDTH_MBITS:.0f} Mbit/s for now")
+        if self._bandwidth is None:  # said once; checks try again quietly until a peer is there
+            logger.info(f"no peer to measure bandwidth against; assuming {DEFAULT_BANDWIDTH_MBITS:.0f} Mbit/s for now")
         self._bandwidth = (default, default)
         return self._bandwidth
 
@@ -239,7 +240,9 @@ class Rebalancer:
                 target = await self.check()
                 if target is not None and not stop.is_set():
                     await self.move(target)
-            except Exception as e:  # a failed check or move is not fatal: the peer goes on serving
+            except SwarmError:
+                raise  # serving nothing at all: swarm-peer stops with the error
+            except Exception as e:  # a failed check, or a move called off: the peer goes on serving
                 logger.warning(f"balance check failed: {e!r}")
 
     async def check(self) -> int | None:
@@ -272,7 +275,11 @@ class Rebalancer:
             return False
         await old.drain(DRAIN_TIMEOUT)
         await old.shutdown()
-        await new.start(self.dht, self.p2p)
+        try:
+            await new.start(self.dht, self.p2p)
+        except Exception as e:
+            await new.shutdown()
+            raise SwarmError(f"after leaving stage {old.stage}, serving stage {target} failed: {e!r}") from e
         self._switch_to(new)
         self.moves += 1
         logger.info(f"now serving stage {target} ({new.throughput.serving:.1f} samples/s)")
