@@ -209,6 +209,8 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
             print_progress(rebalancer, trainer, args.json)
     finally:
         stop.set()
+        if balance_task is not None:
+            balance_task.cancel()  # a move in progress (a state download) must not delay the exit
         for task in (trainer_task, balance_task):
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)

@@ -28,7 +28,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from peers.server import StageServer, download_state, probe_bandwidth
+from peers.server import StageServer, announced_rate, download_state, probe_bandwidth
 from swarm.balancing import PeerLoad, choose_stage, should_move
 from swarm.errors import PeerStartError, SwarmError
 from swarm.manifest import Manifest
@@ -113,7 +113,7 @@ class Rebalancer:
                 logger.info(f"at a second look another stage is the bottleneck; taking stage {stage}")
                 server = await self._prepare(stage)
         await server.join(self.dht, self.p2p)
-        if not await self._take_over_state(server) and await self._online_peers_of(server.stage):
+        if not await self._take_over_state(server, fresh_start_allowed=True):
             await server.shutdown()
             raise PeerStartError(
                 f"could not download the state of stage {server.stage} from any of its online peers; "
@@ -201,14 +201,15 @@ class Rebalancer:
         online = online_peers(await self.view.stage(stage), get_dht_time())
         return [a for a in online if a.peer_id != self.peer_id]
 
-    async def _take_over_state(self, server: StageServer) -> bool:
+    async def _take_over_state(self, server: StageServer, fresh_start_allowed: bool) -> bool:
         """Load the stage's state from one of its online peers (fastest first). True if loaded, or if no online
-        peer has it (the stage starts from its seed initialisation); False if every attempt failed."""
+        peer has it and `fresh_start_allowed` (the stage starts from its seed initialisation); else False."""
         await self.view.all_stages(force=True)
         sources = sorted(await self._online_peers_of(server.stage), key=lambda a: -a.throughput)[:STATE_SOURCES]
         if not sources:
-            logger.info(f"no online peer serves stage {server.stage}: starting from its initial parameters")
-            return True
+            if fresh_start_allowed:
+                logger.info(f"no online peer serves stage {server.stage}: starting from its initial parameters")
+            return fresh_start_allowed
         for source in sources:
             try:
                 begin = time.monotonic()
@@ -226,9 +227,8 @@ class Rebalancer:
     # ---------------------------------------------------------------------------------------- moves
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Check the balance at random intervals until `stop` is set; move when the check says so."""
-        if self.options.stage is not None:
-            return  # pinned
+        """Check the balance at random intervals until `stop` is set; move when the check says so. A pinned
+        peer never moves, but still replaces the assumed bandwidth by a measurement once it can."""
         period = self.manifest.balancing.check_period
         while not stop.is_set():
             try:
@@ -237,6 +237,10 @@ class Rebalancer:
             except TimeoutError:
                 pass
             try:
+                if self.options.stage is not None:
+                    if not self._bandwidth_measured and self.options.bandwidth_mbits is None:
+                        await self._refresh_network_figure()
+                    continue
                 target = await self.check()
                 if target is not None and not stop.is_set():
                     await self.move(target)
@@ -268,11 +272,22 @@ class Rebalancer:
         assert old is not None
         logger.info(f"moving from stage {old.stage} to stage {target}")
         new = await self._prepare(target)
-        await new.join(self.dht, self.p2p)
-        if not await self._take_over_state(new):
-            logger.warning(f"move to stage {target} called off: none of its peers could give its state")
+        try:
+            await new.join(self.dht, self.p2p)
+            # a target without online peers has lost its state anyway (they all died): start it afresh
+            if not await self._take_over_state(new, fresh_start_allowed=True):
+                logger.warning(f"move to stage {target} called off: none of its peers could give its state")
+                await new.shutdown()
+                return False
+            # plans chain moves (A goes to T, so B may leave T for U): never leave a stage before the peer that
+            # replaces us is online, or T's trained state would go with us
+            if not await self._online_peers_of(old.stage):  # records were just read afresh
+                logger.warning(f"move to stage {target} called off: this peer is the last one of stage {old.stage}")
+                await new.shutdown()
+                return False
+        except BaseException:
             await new.shutdown()
-            return False
+            raise
         await old.drain(DRAIN_TIMEOUT)
         await old.shutdown()
         try:
@@ -301,9 +316,8 @@ class Rebalancer:
         if self.server is not None and self.server.state == "online":
             # this peer's own record in the DHT may be a few seconds old: use the truth
             loads = [load for load in loads if load.peer_id != self.peer_id]
-            loads.append(
-                PeerLoad(self.peer_id, self.server.stage, self.server.throughput.serving, True, not self.server.pinned)
-            )
+            throughput = announced_rate(self.server.throughput.serving)  # exactly what others read
+            loads.append(PeerLoad(self.peer_id, self.server.stage, throughput, True, not self.server.pinned))
         return loads
 
     def _switch_to(self, server: StageServer) -> None:

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "swarm"
 MAX_PENDING_REQUESTS = 64
-MAX_CONTROL_CALLS = 4  # probes and state downloads served at once; each holds up to a stage's state in memory
+MAX_CONTROL_CALLS = 4  # state downloads served at once; each holds up to a stage's state in memory
 ACTIVATION_CACHE_BYTES = 1 << 30
 
 
@@ -119,6 +119,7 @@ class StageServer(ServicerBase):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}")
         self._pending = 0
         self._control_calls = 0
+        self._handlers_added = False  # handlers are named by class, not object: never remove another server's
         self.state = "joining"
         self._dht: DHT | None = None
         self._p2p: P2P | None = None
@@ -127,17 +128,21 @@ class StageServer(ServicerBase):
     # ------------------------------------------------------------------------------------------ lifecycle
 
     async def join(self, dht: DHT, p2p: P2P) -> None:
-        """Announce this peer as joining the stage (others count it in, and do not pick the stage too)."""
+        """Announce this peer as joining the stage (others count it in, and do not pick the stage too), and keep
+        announcing while it downloads the stage's state."""
         self._dht, self._p2p = dht, p2p
         await self.announce()
+        self._announce_task = asyncio.create_task(self._announce_forever())
 
     async def start(self, dht: DHT, p2p: P2P) -> None:
         """Register the RPC handlers, then announce online and keep announcing in the background."""
         self._dht, self._p2p = dht, p2p
         await self.add_p2p_handlers(p2p, namespace=NAMESPACE)
+        self._handlers_added = True
         self.state = "online"
         await self.announce()
-        self._announce_task = asyncio.create_task(self._announce_forever())
+        if self._announce_task is None:
+            self._announce_task = asyncio.create_task(self._announce_forever())
         logger.info(f"serving stage {self.stage} (layers {list(self.model.layers)}) as {self.peer_id}")
 
     async def drain(self, timeout: float) -> None:
@@ -161,19 +166,23 @@ class StageServer(ServicerBase):
         steps = []
         if self._dht is not None and self._dht.is_alive():
             steps.append(("announcing offline", self.announce()))
-        if self._p2p is not None:
+        if self._p2p is not None and self._handlers_added:
+            self._handlers_added = False
             steps.append(("removing handlers", self.remove_p2p_handlers(self._p2p, namespace=NAMESPACE)))
         for what, step in steps:
             try:
                 await asyncio.wait_for(step, timeout=timeout)
             except Exception as e:  # shutting down anyway; the record will expire
                 logger.warning(f"{what} failed during shutdown: {e!r}")
-        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+        try:  # let the work in flight finish, but not forever (a hung device must not hang the exit)
+            finish = asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+            await asyncio.wait_for(finish, timeout=self.manifest.training.timeouts.backward)
+        except TimeoutError:
+            logger.warning("work in flight did not finish in time; dropping it")
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     def announcement(self) -> Announcement:
-        def rate(value: float) -> float:  # a fast loopback link measures above what records may carry
-            return round(min(value, MAX_THROUGHPUT), 3)
-
+        rate = announced_rate
         return Announcement(
             peer_id=self.peer_id,
             stage=self.stage,
@@ -442,13 +451,15 @@ class StageServer(ServicerBase):
         return None if self.first else grads[-1]
 
     def _optimizer_step(self) -> None:
-        if self.manifest.training.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.manifest.training.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.backward_passes = 0
-        self.optimizer_steps += 1
-        self.weights_version += 1
+        try:
+            if self.manifest.training.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.manifest.training.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer_steps += 1
+        finally:  # even if the step failed: one bad step must not make every later backward fail again
+            self.optimizer.zero_grad(set_to_none=True)
+            self.backward_passes = 0
+            self.weights_version += 1
 
     def _remember(
         self, caller: str, microbatch_id: str, x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor]
@@ -466,6 +477,11 @@ class StageServer(ServicerBase):
             self._cache and now - next(iter(self._cache.values())).created > self.manifest.training.timeouts.microbatch
         ):
             self._cache.popitem(last=False)
+
+
+def announced_rate(value: float) -> float:
+    """A throughput as records carry it (a fast loopback link measures above what records may carry)."""
+    return round(min(value, MAX_THROUGHPUT), 3)
 
 
 def _make_optimizer(manifest: Manifest, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -541,6 +557,6 @@ async def download_state(
     names, steps = metadata.get("names"), metadata.get("optimizer_steps")
     if not isinstance(names, list) or len(names) != len(tensors) or not all(isinstance(n, str) for n in names):
         raise RemoteStageError("the state's names do not match its tensors", "internal")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= 2**53:
         raise RemoteStageError("the state's optimizer_steps is not a count", "internal")
     return list(zip(names, tensors)), steps

@@ -67,6 +67,11 @@ def load_state_tensors(
             )
         if not math.isfinite(float(tensor.double().sum())):
             raise BadRequestError(f"state tensor {key!r} holds NaN or Inf")
+        statistic = key.rsplit("/", 1)[-1]
+        if statistic == "step" and not (0 <= float(tensor) <= 1e12 and float(tensor).is_integer()):
+            raise BadRequestError(f"state tensor {key!r} is not a count of steps: {float(tensor)!r}")
+        if statistic == "exp_avg_sq" and tensor.numel() and float(tensor.min()) < 0:
+            raise BadRequestError(f"state tensor {key!r} has negative values (it is a mean of squares)")
         received[key] = tensor
     missing = [f"param/{name}" for name in names if f"param/{name}" not in received]
     if missing:

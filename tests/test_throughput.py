@@ -141,8 +141,22 @@ def test_state_moves_parameters_and_optimizer_statistics():
         lambda items: [(n, t.fill_(float("nan")) if i == 1 else t) for i, (n, t) in enumerate(items)],
         lambda items: items + [items[0]],
         lambda items: [i for i in items if not i[0].endswith("/exp_avg")],
+        lambda items: [(n, torch.tensor(-1.0) if n.endswith("/step") else t) for n, t in items],
+        lambda items: [(n, torch.tensor(2.5) if n.endswith("/step") else t) for n, t in items],
+        lambda items: [(n, -t - 1 if n.endswith("/exp_avg_sq") else t) for n, t in items],
     ],
-    ids=["missing", "foreign", "shape", "dtype", "nan", "twice", "partial-optimizer"],
+    ids=[
+        "missing",
+        "foreign",
+        "shape",
+        "dtype",
+        "nan",
+        "twice",
+        "partial-optimizer",
+        "negative-step",
+        "step-2.5",
+        "negative-exp-avg-sq",
+    ],
 )
 def test_a_bad_state_is_refused_and_changes_nothing(corrupt):
     source, names, params, optimizer = _trained_stage(1)
