@@ -208,6 +208,7 @@ def main() -> int:
     optimal_stages, optimal_units = optimal_assignment(speeds, STAGES)
     log(f"reference {reference:.0f} samples/s per stage; speeds {speeds}; optimum {optimal_units} units; logs {logs}")
 
+    sockets_before = runtime.daemon_sockets()
     dht = runtime.start_dht([], runtime.LOOPBACK)
     bootstrap = [str(a) for a in dht.get_visible_maddrs()]
     result: dict = {"speeds": speeds, "stages": STAGES, "unit_samples_per_second": args.unit}
@@ -225,6 +226,7 @@ def main() -> int:
         result["b_over_c"] = round(b_rate / c_rate, 3)
     finally:
         dht.shutdown()
+        runtime.remove_stale_sockets(runtime.daemon_sockets() - sockets_before)  # killed peers' daemons leave them
     result["logs"] = str(logs)
     print(json.dumps(result))
     return 0

@@ -53,7 +53,7 @@ def start_dht(
             validate_multiaddrs_without_peer(addrs)
         except ValueError as e:
             raise PeerStartError(f"{flag}: {e}") from None
-    sockets_before = _daemon_sockets()
+    sockets_before = daemon_sockets()
     try:
         return DHT(
             initial_peers=list(initial_peers),
@@ -64,7 +64,7 @@ def start_dht(
             startup_timeout=startup_timeout,
         )
     except Exception as e:
-        _remove_stale_sockets(_daemon_sockets() - sockets_before)
+        remove_stale_sockets(daemon_sockets() - sockets_before)
         hint = (
             "none of the manifest's initial peers could be reached; check that they are running and that "
             "their addresses are reachable from here"
@@ -74,13 +74,14 @@ def start_dht(
         raise PeerStartError(f"could not join the DHT: {hint} ({type(e).__name__}: {e})") from None
 
 
-def _daemon_sockets() -> set[Path]:
+def daemon_sockets() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob("hivemind-p2p*.sock"))
 
 
-def _remove_stale_sockets(paths: set[Path]) -> None:
-    """hivemind 1.1.12 leaves the p2pd socket file behind when the daemon fails to start; remove the ones
-    that nobody listens on any more (a live daemon of another peer answers, and is left alone)."""
+def remove_stale_sockets(paths: set[Path]) -> None:
+    """hivemind 1.1.12 leaves the p2pd socket file behind when the daemon fails to start, and a killed daemon
+    cannot remove its own; remove the ones that nobody listens on any more (a live daemon answers, and is left
+    alone)."""
     for path in paths:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             try:
