@@ -191,7 +191,9 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
             data = TextData.load(
                 args.data or manifest.data.source, manifest.data.heldout_fraction, shard, manifest.data.shards
             )
-            trainer = Trainer(manifest, dht, p2p, peer_id, seed=args.seed, local_server=rebalancer.server)
+            trainer = Trainer(
+                manifest, dht, p2p, peer_id, seed=args.seed, local_server=rebalancer.server, view=rebalancer.view
+            )
             trainer_task = asyncio.create_task(trainer.train(data.train, stop))
             print(f"training on data shard {shard} ({len(data.train) / 1e6:.1f} MB)", flush=True)
 

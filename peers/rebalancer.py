@@ -29,7 +29,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from peers.server import StageServer, announced_rate, download_state, probe_bandwidth
-from swarm.balancing import PeerLoad, choose_stage, should_move
+from swarm.balancing import PeerLoad, choose_stage, should_move, stage_totals
 from swarm.errors import PeerStartError, SwarmError
 from swarm.manifest import Manifest
 from swarm.model import build_stage
@@ -124,10 +124,8 @@ class Rebalancer:
         return server
 
     def _is_bottleneck(self, loads: list[PeerLoad], stage: int) -> bool:
-        totals = [0.0] * self.manifest.num_stages
-        for load in loads:
-            if load.peer_id != self.peer_id:
-                totals[load.stage] += load.throughput
+        others = [load for load in loads if load.peer_id != self.peer_id]
+        totals = stage_totals(others, self.manifest.num_stages)
         return totals[stage] <= min(totals) * (1 + 1e-9)
 
     async def _prepare(self, stage: int) -> StageServer:

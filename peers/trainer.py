@@ -55,11 +55,15 @@ class Trainer:
         peer_id: str,
         seed: int | None = None,
         local_server: StageServer | None = None,
+        view: SwarmView | None = None,
     ):
         self.manifest = manifest
         self.local_server = local_server  # this peer's own stage server: called directly, not over the network
         self.dht, self.p2p, self.peer_id = dht, p2p, peer_id
-        self.view = SwarmView(dht, manifest.swarm_id, manifest.num_stages, max_age=manifest.network.announce_period)
+        # a peer shares one view between its trainer and its rebalancer: one DHT refresh per announce period
+        self.view = view or SwarmView(
+            dht, manifest.swarm_id, manifest.num_stages, max_age=manifest.network.announce_period
+        )
         self.rng = random.Random(seed)
         self.max_elements = protocol.max_request_elements(manifest)
         self.router = Router()
