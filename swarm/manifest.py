@@ -23,7 +23,8 @@ from swarm import PROTOCOL_VERSION
 from swarm.errors import ManifestError
 
 OPTIMIZERS = ("adamw", "sgd")
-ACTIVATION_COMPRESSIONS = ("float32", "float16")
+COMPRESSIONS = ("float32", "float16", "8bit")  # of activations and gradients between stages, and of averaging
+AVERAGING_MODES = ("parameters", "diloco", "none")
 MAX_MANIFEST_BYTES = 1_000_000
 
 
@@ -76,6 +77,27 @@ class BalancingConfig:
 
 
 @dataclass(frozen=True)
+class AveragingConfig:
+    """How the peers of a stage average with each other (see swarm/averaging.py).
+
+    parameters: each round averages the parameters (and, with optimizer_state, the optimizer's statistics),
+                weighted by the samples each peer processed since its last round.
+    diloco:     each round averages the pseudo-gradient (parameters at the last round minus now) and applies it
+                with an outer SGD with Nesterov momentum (DiLoCo, Douillard et al. 2023).
+    none:       replicas never average (a baseline for benchmarks; replicas drift apart).
+    """
+
+    mode: str = "parameters"
+    every_samples: int = 2048  # samples processed by the stage, across the swarm, between two rounds
+    optimizer_state: bool = False  # parameters mode: also average the optimizer's statistics
+    compression: str = "float16"
+    outer_learning_rate: float = 0.7  # diloco mode
+    outer_momentum: float = 0.9  # diloco mode
+    matchmaking_time: float = 5.0  # seconds a round waits for the stage's other peers to join it
+    timeout: float = 60.0  # a round that has not finished by then is given up
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str
     model: ModelConfig
@@ -84,6 +106,7 @@ class Manifest:
     data: DataConfig = field(default_factory=DataConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     balancing: BalancingConfig = field(default_factory=BalancingConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
     initial_peers: tuple[str, ...] = ()
     protocol_version: int = PROTOCOL_VERSION
 
@@ -106,6 +129,7 @@ class Manifest:
             "data": dataclasses.asdict(self.data),
             "network": dataclasses.asdict(self.network),
             "balancing": dataclasses.asdict(self.balancing),
+            "averaging": dataclasses.asdict(self.averaging),
         }
         if with_peers:
             result["initial_peers"] = list(self.initial_peers)
@@ -194,7 +218,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
         # required: clipping bounds what one (possibly hostile) gradient can do to the weights
         max_grad_norm=t.number("max_grad_norm", default=1.0, minimum=1e-6),
         max_in_flight=t.integer("max_in_flight", default=4, minimum=1, maximum=1024),
-        activation_compression=t.choice("activation_compression", ACTIVATION_COMPRESSIONS, default="float32"),
+        activation_compression=t.choice("activation_compression", COMPRESSIONS, default="float32"),
         timeouts=timeouts,
     )
     t.no_unknown()
@@ -218,6 +242,20 @@ def manifest_from_dict(raw: Any) -> Manifest:
     )
     b.no_unknown()
 
+    a = obj.section("averaging", optional=True)
+    defaults = AveragingConfig()
+    averaging = AveragingConfig(
+        mode=a.choice("mode", AVERAGING_MODES, default=defaults.mode),
+        every_samples=a.integer("every_samples", default=defaults.every_samples, minimum=1, maximum=10**12),
+        optimizer_state=a.boolean("optimizer_state", default=defaults.optimizer_state),
+        compression=a.choice("compression", COMPRESSIONS, default=defaults.compression),
+        outer_learning_rate=a.number("outer_learning_rate", default=defaults.outer_learning_rate, minimum=0.0, maximum=10.0),
+        outer_momentum=a.number("outer_momentum", default=defaults.outer_momentum, minimum=0.0, maximum=0.999),
+        matchmaking_time=a.number("matchmaking_time", default=defaults.matchmaking_time, minimum=0.5, maximum=600.0),
+        timeout=a.number("timeout", default=defaults.timeout, minimum=1.0, maximum=3600.0),
+    )
+    a.no_unknown()
+
     peers = obj.get("initial_peers", default=[])
     if not isinstance(peers, list):
         raise ManifestError("manifest field 'initial_peers': must be a list of multiaddr strings")
@@ -231,6 +269,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
         data=data,
         network=network,
         balancing=balancing,
+        averaging=averaging,
         initial_peers=initial_peers,
         protocol_version=version,
     )
@@ -351,6 +390,12 @@ class _Fields:
             raise ManifestError(f"{self._name(key)}: must be a finite number, got {value!r}")
         self._check_range(key, value, minimum, maximum)
         return float(value)
+
+    def boolean(self, key: str, default: Any = _MISSING) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise ManifestError(f"{self._name(key)}: must be true or false, got {value!r}")
+        return value
 
     def choice(self, key: str, options: tuple[str, ...], default: Any = _MISSING) -> str:
         value = self.get(key, default)

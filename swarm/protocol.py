@@ -42,10 +42,14 @@ MAX_MICROBATCH_ID = 64
 COMPRESSIONS = {
     "float32": runtime_pb2.CompressionType.NONE,
     "float16": runtime_pb2.CompressionType.FLOAT16,
+    "8bit": runtime_pb2.CompressionType.UNIFORM_8BIT,
 }
+MIN_8BIT_ELEMENTS = 1024  # smaller tensors (a loss, a bias) go uncompressed: a 1 KiB codebook would not pay off
+_8BIT_HEADER_BYTES = 8 + 4 * 256  # hivemind's 8-bit format: codebook length (int64), 256 float32 codes, 1 B/element
 _BYTES_PER_ELEMENT = {
     ("float32", runtime_pb2.CompressionType.NONE): 4,
     ("float32", runtime_pb2.CompressionType.FLOAT16): 2,
+    ("float32", runtime_pb2.CompressionType.UNIFORM_8BIT): 1,
     ("int64", runtime_pb2.CompressionType.NONE): 8,
 }
 
@@ -70,6 +74,8 @@ class StageRequest:
 def encode_tensor(tensor: torch.Tensor, compression: str = "float32") -> runtime_pb2.Tensor:
     tensor = tensor.detach().cpu()
     kind = COMPRESSIONS[compression] if tensor.dtype == torch.float32 else runtime_pb2.CompressionType.NONE
+    if kind == runtime_pb2.CompressionType.UNIFORM_8BIT and tensor.numel() < MIN_8BIT_ELEMENTS:
+        kind = runtime_pb2.CompressionType.NONE
     return serialize_torch_tensor(tensor, kind)
 
 
@@ -127,7 +133,7 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
         compression = names.get(proto.compression, proto.compression)
         raise BadRequestError(
             f"{name}: dtype {proto.dtype or '(none)'!r} with compression {compression} is not accepted "
-            "(use float32 or float16 activations and int64 tokens)"
+            "(use float32, float16 or 8-bit activations and int64 tokens)"
         )
     shape = list(proto.size)
     if len(shape) > 4:
@@ -136,6 +142,10 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
     if numel > max_elements:
         raise BadRequestError(f"{name}: {numel} elements, more than the {max_elements} this stage accepts")
     expected = numel * _BYTES_PER_ELEMENT[key]
+    if proto.compression == runtime_pb2.CompressionType.UNIFORM_8BIT:
+        expected += _8BIT_HEADER_BYTES
+        if proto.buffer[:8] != (256).to_bytes(8, "little"):
+            raise BadRequestError(f"{name}: an 8-bit tensor must carry a codebook of 256 values")
     if len(proto.buffer) != expected:
         raise BadRequestError(f"{name}: buffer has {len(proto.buffer)} bytes, shape {shape} needs {expected}")
     if proto.requires_grad:

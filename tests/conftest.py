@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from swarm import PROTOCOL_VERSION
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,7 +38,7 @@ def tiny_manifest_dict(**overrides) -> dict:
     """A small, fast 2-stage swarm for tests."""
     manifest = {
         "name": "test-swarm",
-        "protocol_version": 2,
+        "protocol_version": PROTOCOL_VERSION,
         "model": {"vocab_size": 256, "width": 64, "depth": 2, "heads": 2, "context_length": 32, "seed": 0},
         "stages": {"count": 2},
         "training": {
