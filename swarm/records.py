@@ -52,6 +52,14 @@ class Announcement:
     pinned: bool = False  # serves this stage by the user's choice (--stage): never moves
     device: str = "cpu"
     public_name: str = ""
+    optimizer_steps: int = 0  # local optimizer steps of the stage's state this peer holds
+    averaging_round: int = 0  # number of the stage's next averaging round, as this peer knows it
+    round_samples: int = 0  # samples this peer processed since that round began
+    averaging_rounds: int = 0  # rounds this peer averaged in with at least one other peer
+    activation_bytes_sent: int = 0  # activations and gradients, to and from other peers (server and trainer)
+    activation_bytes_received: int = 0
+    averaging_bytes_sent: int = 0  # payload of averaging rounds
+    averaging_bytes_received: int = 0
     version: str = __version__
     protocol_version: int = PROTOCOL_VERSION
     expiration: float = 0.0  # filled in when read from the DHT
@@ -98,6 +106,14 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
             pinned=_flag(record["pinned"]),
             device=_text(record["device"]),
             public_name=_text(record["public_name"]),
+            optimizer_steps=_count(record["optimizer_steps"]),
+            averaging_round=_count(record["averaging_round"]),
+            round_samples=_count(record["round_samples"]),
+            averaging_rounds=_count(record["averaging_rounds"]),
+            activation_bytes_sent=_count(record["activation_bytes_sent"]),
+            activation_bytes_received=_count(record["activation_bytes_received"]),
+            averaging_bytes_sent=_count(record["averaging_bytes_sent"]),
+            averaging_bytes_received=_count(record["averaging_bytes_received"]),
             version=_text(record["version"]),
             expiration=float(expiration),
         )

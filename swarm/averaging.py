@@ -1,0 +1,286 @@
+"""Averaging within a stage: the peers serving one stage keep one model by averaging in rounds.
+
+Each peer steps locally on the microbatches it serves. Every `every_samples` samples processed by the stage
+across the swarm, its peers meet in a round (hivemind's DecentralizedAverager: matchmaking through the DHT,
+then a butterfly all-reduce of compressed tensors) and average:
+
+- parameters mode: the parameters (and optionally the optimizer's statistics), weighted by the samples each
+  peer processed since its last round. Serving goes on during the round, so the result is applied by the
+  delta rule: value += average - value at the round's start, which keeps the local steps taken meanwhile.
+- diloco mode: the pseudo-gradient (parameters at the last round - parameters now), weighted by samples, then
+  an outer SGD step with Nesterov momentum on the parameters of the last round (the "anchor"); local steps
+  taken during the round are kept on top, as in parameters mode.
+
+Why our own design on DecentralizedAverager rather than hivemind.Optimizer: the stage server owns its local
+steps (gradient accumulation over microbatches, weight stashing for backward), averaging must never block
+serving, DiLoCo's outer step is not part of hivemind.Optimizer, and a peer that moves to another stage needs
+its averaging torn down and set up again. The pure parts (when a round is due, the outer step, the delta rule,
+the bytes a round moves) are plain functions below; StageAverager does the I/O.
+
+Thread model: begin_round() and finish_round() touch the model and run in the stage server's worker thread,
+between two requests; run_round() blocks on the network and runs in a thread of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from hivemind import DHT
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import (
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    SizeAdaptiveCompression,
+    Uniform8BitQuantization,
+)
+
+from swarm.errors import SwarmError
+from swarm.manifest import AveragingConfig, Manifest
+
+logger = logging.getLogger(__name__)
+
+MIN_8BIT_ELEMENTS = 1024  # smaller tensors (norms, biases) average in float16: an 8-bit codebook costs 1 KiB
+PART_SIZE_BYTES = 2**19  # hivemind's default: tensors travel in parts of up to this many (compressed) bytes
+_8BIT_PART_OVERHEAD = 8 + 4 * 256  # each 8-bit part carries its own codebook
+
+
+class AveragingError(SwarmError):
+    """A round did not happen (no group formed, a peer left, a timeout) or its result was unusable."""
+
+
+# ------------------------------------------------------------------------------------------- pure logic
+
+
+@dataclass(frozen=True)
+class RoundProgress:
+    """What another peer of the stage announced about the current round."""
+
+    round: int
+    samples: int  # samples it processed since the round began
+    rate: float  # samples per second it has been delivering
+    age: float  # seconds since it announced this
+
+
+def swarm_samples_in_round(my_round: int, my_samples: int, others: Iterable[RoundProgress]) -> float:
+    """Samples the stage has processed across the swarm since round `my_round` began: ours exactly, the others'
+    as announced plus what they served since (rate x age), so that all peers see a round due at about the same
+    time. Peers that announce another round number are not counted: their counts belong to another round."""
+    return my_samples + sum(o.samples + o.rate * max(o.age, 0.0) for o in others if o.round == my_round)
+
+
+def current_round(my_round: int, others: Iterable[RoundProgress]) -> int:
+    """The stage's round number: a peer that missed rounds (it was busy, or its round failed) catches up."""
+    return max([my_round, *(o.round for o in others)])
+
+
+def outer_step(
+    anchor: Sequence[torch.Tensor],
+    momentum: Sequence[torch.Tensor],
+    pseudo_gradient: Sequence[torch.Tensor],
+    learning_rate: float,
+    momentum_factor: float,
+) -> None:
+    """DiLoCo's outer optimizer, in place: SGD with Nesterov momentum (torch.optim.SGD's update, dampening 0)."""
+    for theta, buf, grad in zip(anchor, momentum, pseudo_gradient):
+        buf.mul_(momentum_factor).add_(grad)
+        theta.sub_(grad.add(buf, alpha=momentum_factor), alpha=learning_rate)
+
+
+def round_payload_bytes(numels: Sequence[int], compression: str, group_size: int) -> int:
+    """Bytes one peer sends (and about as many it receives) in a butterfly all-reduce of tensors with `numels`
+    elements among `group_size` peers: it sends its share of every other peer's part, then the averaged part it
+    reduced back to each of them: 2 (n-1)/n of the compressed tensors."""
+    if group_size < 2:
+        return 0
+    total = 0.0
+    for numel in numels:
+        if compression == "float32":
+            total += 4 * numel
+        elif compression == "float16" or numel < MIN_8BIT_ELEMENTS:
+            total += 2 * numel
+        else:  # 8-bit: one byte per element plus a codebook per part
+            parts = math.ceil(numel / PART_SIZE_BYTES)
+            total += numel + parts * _8BIT_PART_OVERHEAD
+    return int(2 * (group_size - 1) / group_size * total)
+
+
+def averaging_compression(name: str) -> CompressionBase:
+    if name == "float32":
+        return NoCompression()
+    if name == "float16":
+        return Float16Compression()
+    return SizeAdaptiveCompression(MIN_8BIT_ELEMENTS, less=Float16Compression(), greater_equal=Uniform8BitQuantization())
+
+
+def averaging_prefix(manifest: Manifest, stage: int) -> str:
+    """The DHT prefix of a stage's rounds: only peers of the same swarm, stage and mode ever meet."""
+    return f"{manifest.swarm_id}_stage{stage}_{manifest.averaging.mode}"
+
+
+# ------------------------------------------------------------------------------------------------ I/O
+
+
+class StageAverager:
+    """Rounds of one stage for one peer: what is averaged, how the result is applied, and the hivemind averager
+    that does the network part (a process of its own, sharing the averaged buffers with this one)."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        stage: int,
+        dht: DHT,
+        names: list[str],
+        params: list[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+    ):
+        self.config: AveragingConfig = manifest.averaging
+        assert self.config.mode in ("parameters", "diloco"), "mode 'none' has no averager"
+        self.names, self.params, self.optimizer = names, params, optimizer
+        self.diloco = self.config.mode == "diloco"
+        if self.diloco:  # the parameters of the last round, and the outer optimizer's momentum
+            self.anchor = [p.detach().float().cpu().clone() for p in params]
+            self.momentum = [torch.zeros_like(a) for a in self.anchor]
+        elif self.config.optimizer_state:
+            _initialize_optimizer_state(params, optimizer)
+        self._start: list[torch.Tensor] | None = None  # the averaged quantities as they were when the round began
+        buffers = [torch.zeros(tuple(q.shape), dtype=torch.float32) for q in self._quantities()]
+        self.numels = [b.numel() for b in buffers]
+        self._averager = DecentralizedAverager(
+            buffers,
+            dht,
+            start=True,
+            prefix=averaging_prefix(manifest, stage),
+            min_group_size=2,
+            min_matchmaking_time=self.config.matchmaking_time,
+            request_timeout=max(1.0, self.config.matchmaking_time / 2),
+            allreduce_timeout=self.config.timeout,
+            next_chunk_timeout=self.config.timeout / 2,
+            compression=averaging_compression(self.config.compression),
+            part_size_bytes=PART_SIZE_BYTES,
+            allow_state_sharing=False,  # joiners take the state from the stage server (rpc_download_state)
+            shutdown_timeout=5,
+        )
+
+    def _quantities(self) -> list[torch.Tensor]:
+        """The live tensors whose values take part in a round (parameters; with optimizer_state, statistics)."""
+        quantities: list[torch.Tensor] = list(self.params)
+        if not self.diloco and self.config.optimizer_state:
+            for p in self.params:
+                state = self.optimizer.state.get(p, {})
+                quantities += [state[key] for key in ("exp_avg", "exp_avg_sq", "momentum_buffer") if key in state]
+        return quantities
+
+    # worker thread ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def begin_round(self) -> None:
+        """Put this peer's contribution into the averager's buffers and remember where the round started."""
+        current = [q.detach().float().cpu().clone() for q in self._quantities()]
+        if len(current) != len(self.numels):
+            raise AveragingError("the optimizer's statistics changed shape since averaging started")
+        self._start = current
+        with self._averager.get_tensors() as buffers:
+            for i, (buffer, value) in enumerate(zip(buffers, current)):
+                buffer.copy_(self.anchor[i] - value if self.diloco else value)
+
+    @torch.no_grad()
+    def finish_round(self, averaged: bool) -> None:
+        """Apply a round's result (`averaged`), or, in diloco mode, this peer's own pseudo-gradient when it was
+        alone or the round failed (the outer step is part of the method even without others)."""
+        assert self._start is not None, "finish_round without begin_round"
+        start, self._start = self._start, None
+        if averaged:
+            with self._averager.get_tensors() as buffers:
+                result = [b.clone() for b in buffers]
+            if not all(torch.isfinite(r).all() for r in result):
+                raise AveragingError("the round's result holds NaN or Inf; it was dropped")
+        elif self.diloco:
+            result = [a - s for a, s in zip(self.anchor, start)]
+        else:
+            return
+        quantities = self._quantities()
+        if self.diloco:
+            outer_step(self.anchor, self.momentum, result, self.config.outer_learning_rate, self.config.outer_momentum)
+            for p, a, s in zip(quantities, self.anchor, start):
+                local = p.detach().float().cpu() - s  # local steps taken while the round ran
+                p.copy_((a + local).to(p.device, p.dtype))
+        else:
+            for q, r, s in zip(quantities, result, start):
+                q.add_((r - s).to(q.device, q.dtype))
+            _clamp_non_negative_statistics(self.params, self.optimizer)
+
+    # network thread ---------------------------------------------------------------------------------
+
+    def run_round(self, weight: float, timeout: float) -> int:
+        """Find a group and all-reduce the buffers; the group's size. Raises AveragingError on failure."""
+        try:
+            gathered = self._averager.step(weight=max(float(weight), 1.0), timeout=timeout, allow_retries=False)
+        except Exception as e:  # hivemind raises several types for a round that fell through
+            raise AveragingError(f"the round failed: {type(e).__name__}: {e}") from None
+        if not gathered:
+            raise AveragingError("could not find a group (the stage's other peers did not join in time)")
+        return len(gathered)
+
+    # state ------------------------------------------------------------------------------------------
+
+    def outer_state(self) -> list[tuple[str, torch.Tensor]]:
+        """DiLoCo's anchor and outer momentum by name, to hand over with the stage's state (empty otherwise)."""
+        if not self.diloco:
+            return []
+        return [(f"outer/{n}/anchor", a.clone()) for n, a in zip(self.names, self.anchor)] + [
+            (f"outer/{n}/momentum", m.clone()) for n, m in zip(self.names, self.momentum)
+        ]
+
+    def outer_shapes(self) -> dict[str, tuple[int, ...]]:
+        if not self.diloco:
+            return {}
+        shapes = {f"outer/{n}/anchor": tuple(p.shape) for n, p in zip(self.names, self.params)}
+        shapes.update({f"outer/{n}/momentum": tuple(p.shape) for n, p in zip(self.names, self.params)})
+        return shapes
+
+    @torch.no_grad()
+    def load_outer_state(self, items: dict[str, torch.Tensor]) -> None:
+        """Take over the anchor and momentum (already checked for names, shapes and finite values); without
+        them (a state saved in parameters mode) the anchor is the current parameters."""
+        if not self.diloco:
+            return
+        for i, (name, p) in enumerate(zip(self.names, self.params)):
+            anchor = items.get(f"outer/{name}/anchor")
+            self.anchor[i] = (anchor if anchor is not None else p.detach().float().cpu()).clone()
+            momentum = items.get(f"outer/{name}/momentum")
+            self.momentum[i] = momentum.clone() if momentum is not None else torch.zeros_like(self.anchor[i])
+
+    def shutdown(self) -> None:
+        try:
+            self._averager.shutdown()
+        except Exception as e:  # its process may already be gone
+            logger.warning(f"stopping the averager failed: {e!r}")
+
+
+def _initialize_optimizer_state(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's statistics before the first step, so that every round averages the same tensors."""
+    with torch.no_grad():
+        for p in params:
+            state = optimizer.state[p]
+            if len(state):
+                continue
+            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif isinstance(optimizer, torch.optim.SGD) and optimizer.defaults.get("momentum", 0):
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _clamp_non_negative_statistics(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+    """The delta rule may push a mean of squares slightly below zero (compression error): Adam would take its
+    square root."""
+    for p in params:
+        value = optimizer.state.get(p, {}).get("exp_avg_sq")
+        if value is not None:
+            value.clamp_(min=0.0)

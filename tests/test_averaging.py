@@ -1,0 +1,181 @@
+"""Averaging within a stage: the pure rules, and real rounds between hivemind averagers on loopback."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hivemind import DHT
+
+from conftest import LOOPBACK, tiny_manifest_dict
+
+from swarm.averaging import (
+    AveragingError,
+    RoundProgress,
+    StageAverager,
+    current_round,
+    outer_step,
+    round_payload_bytes,
+    swarm_samples_in_round,
+)
+from swarm.manifest import manifest_from_dict
+from swarm.model import build_stage
+
+# ------------------------------------------------------------------------------------------- pure logic
+
+
+def test_round_counts_other_peers_of_the_same_round_with_their_progress_since_they_announced():
+    others = [RoundProgress(round=3, samples=100, rate=10.0, age=2.0), RoundProgress(round=2, samples=999, rate=0, age=0)]
+    assert swarm_samples_in_round(3, 50, others) == 50 + 100 + 20
+    assert current_round(3, others) == 3
+    assert current_round(1, others) == 3  # a peer that missed rounds catches up
+
+
+def test_outer_step_is_sgd_with_nesterov_momentum():
+    torch.manual_seed(0)
+    theta = torch.randn(5)
+    grads = [torch.randn(5) for _ in range(3)]
+    reference = torch.nn.Parameter(theta.clone())
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    anchor, momentum = [theta.clone()], [torch.zeros(5)]
+    for g in grads:
+        reference.grad = g.clone()
+        sgd.step()
+        outer_step(anchor, momentum, [g], 0.7, 0.9)
+    assert torch.allclose(anchor[0], reference.detach(), atol=1e-6)
+
+
+def test_round_payload_shrinks_with_compression():
+    numels = [1 << 20, 100]
+    fp32 = round_payload_bytes(numels, "float32", 2)
+    assert fp32 == 4 * sum(numels)  # two peers: each sends half and gets half back
+    assert round_payload_bytes(numels, "float16", 2) == fp32 // 2
+    assert round_payload_bytes(numels, "8bit", 2) < fp32 // 3.9
+    assert round_payload_bytes(numels, "float32", 1) == 0
+
+
+# ------------------------------------------------------------------------------------------ real rounds
+
+
+def _manifest(**averaging):
+    raw = tiny_manifest_dict()
+    raw["averaging"] = {"matchmaking_time": 2.0, "timeout": 20.0, **averaging}
+    return manifest_from_dict(raw)
+
+
+@pytest.fixture
+def dhts():
+    started = []
+
+    def make(count):
+        first = DHT(start=True, host_maddrs=[LOOPBACK])
+        started.append(first)
+        peers = [str(a) for a in first.get_visible_maddrs()]
+        for _ in range(count - 1):
+            started.append(DHT(start=True, initial_peers=peers, host_maddrs=[LOOPBACK]))
+        return started[-count:]
+
+    yield make
+    for dht in started:
+        dht.shutdown()
+
+
+def _replicas(manifest, dhts, seeds):
+    replicas = []
+    for dht, seed in zip(dhts, seeds):
+        model = build_stage(manifest, 0)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)  # replicas that drifted apart
+        named = list(model.named_parameters())
+        names, params = [n for n, _ in named], [p for _, p in named]
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        replicas.append((params, StageAverager(manifest, 0, dht, names, params, optimizer)))
+    return replicas
+
+
+def _run_round(replicas, weights):
+    for _, averager in replicas:
+        averager.begin_round()
+    sizes, errors = [None] * len(replicas), []
+
+    def run(i):
+        try:
+            sizes[i] = replicas[i][1].run_round(weights[i], timeout=15)
+        except AveragingError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(replicas))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    for _, averager in replicas:
+        averager.finish_round(averaged=True)
+    return sizes
+
+
+def _distance(a, b):
+    return sum(float((x - y).norm() ** 2) for x, y in zip(a, b)) ** 0.5
+
+
+@pytest.mark.parametrize("compression", ["float32", "float16", "8bit"])
+def test_a_round_moves_replicas_to_their_weighted_mean(dhts, compression):
+    manifest = _manifest(mode="parameters", compression=compression)
+    replicas = _replicas(manifest, dhts(2), seeds=[1, 2])
+    try:
+        before = [[p.detach().clone() for p in params] for params, _ in replicas]
+        weights = [3.0, 1.0]
+        mean = [(3 * a + 1 * b) / 4 for a, b in zip(*before)]
+        assert _run_round(replicas, weights) == [2, 2]
+        after = [[p.detach().clone() for p in params] for params, _ in replicas]
+        initial = _distance(before[0], mean)
+        for replica in after:
+            # 8-bit quantizes each peer's contribution (about 1% error); the others are (near) exact
+            tolerance = {"float32": 1e-5, "float16": 2e-3, "8bit": 0.05}[compression]
+            assert _distance(replica, mean) < tolerance * initial, compression
+        assert _distance(after[0], after[1]) < 0.1 * _distance(before[0], before[1])
+    finally:
+        for _, averager in replicas:
+            averager.shutdown()
+
+
+def test_diloco_round_applies_the_outer_step_to_the_mean_pseudo_gradient(dhts):
+    manifest = _manifest(mode="diloco", compression="float32")
+    replicas = _replicas(manifest, dhts(2), seeds=[1, 1])  # one state, as after a state download
+    try:
+        anchors = [[a.clone() for a in averager.anchor] for _, averager in replicas]
+        with torch.no_grad():  # local training moves each replica differently
+            for k, (params, _) in enumerate(replicas):
+                for p in params:
+                    p.add_(torch.full_like(p, 0.01 * (k + 1)))
+        pseudo = [
+            [a - p.detach() for a, p in zip(anchors[k], params)] for k, (params, _) in enumerate(replicas)
+        ]
+        mean = [(x + y) / 2 for x, y in zip(*pseudo)]
+        expected = [a.clone() for a in anchors[0]]
+        outer_step(expected, [torch.zeros_like(e) for e in expected], mean, 0.7, 0.9)
+        _run_round(replicas, [1.0, 1.0])
+        for params, averager in replicas:
+            assert _distance(averager.anchor, expected) < 1e-4
+            assert _distance([p.detach() for p in params], expected) < 1e-4
+    finally:
+        for _, averager in replicas:
+            averager.shutdown()
+
+
+def test_a_round_without_a_group_fails_cleanly_and_changes_nothing(dhts):
+    manifest = _manifest(mode="parameters", compression="float16")
+    ((params, averager),) = _replicas(manifest, dhts(1), seeds=[1])
+    try:
+        before = [p.detach().clone() for p in params]
+        averager.begin_round()
+        with pytest.raises(AveragingError):
+            averager.run_round(1.0, timeout=3)
+        averager.finish_round(averaged=False)
+        assert _distance([p.detach() for p in params], before) == 0
+    finally:
+        averager.shutdown()
