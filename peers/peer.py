@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -17,6 +18,7 @@ from peers.rebalancer import Rebalancer, ServingOptions
 from peers.server import StageServer
 from peers.trainer import Trainer
 from swarm import __version__
+from swarm.checkpoint import default_checkpoint_dir
 from swarm.data import TextData
 from swarm.errors import SwarmError
 from swarm.manifest import Manifest, load_manifest
@@ -36,6 +38,8 @@ examples:
       serve stage 1 on the GPU, without running a trainer (a pinned peer never moves)
   swarm-peer --join my-swarm.json --throughput eval --bandwidth 50
       measure compute throughput again (not from the cache) and take the link as 50 Mbit/s
+  swarm-peer --join my-swarm.json --checkpoint-dir /data/ckpt --checkpoint-every 60
+      save the served stage's state every minute (and on exit); a restart resumes from it
   swarm-peer --join my-swarm.json --simulated-speed 0.25
       testing aid: behave like a device 4x slower than this one (compute takes 4x as long)
 """
@@ -91,6 +95,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FRACTION",
         help="testing aid: emulate a slower device; 0.25 makes every compute step take 4x as long (default: 1)",
     )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="save the served stage's state here, and resume from it on restart "
+        "(default: $SWARM_CACHE_DIR or ~/.cache/swarm, then checkpoints/<swarm id>)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="save a checkpoint this often (default: 300); 0: only when the peer stops cleanly",
+    )
     parser.add_argument("--public-name", default="", help="a name shown to others in peer-status (at most 64 chars)")
     parser.add_argument("--data", default=None, metavar="PATH", help="train on this text file or folder instead")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="default: auto")
@@ -104,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
+    if args.checkpoint_every < 0:
+        parser.error("--checkpoint-every must be 0 (only on exit) or a positive number of seconds")
     if args.status_every <= 0:
         parser.error("--status-every must be positive")
     if args.duration is not None and args.duration <= 0:
@@ -169,6 +189,8 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
         bandwidth_mbits=args.bandwidth,
         simulated_speed=args.simulated_speed,
         public_name=args.public_name,
+        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else default_checkpoint_dir(manifest),
+        checkpoint_every=args.checkpoint_every,
     )
 
     def on_switch(server: StageServer) -> None:
@@ -192,7 +214,14 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: to
                 args.data or manifest.data.source, manifest.data.heldout_fraction, shard, manifest.data.shards
             )
             trainer = Trainer(
-                manifest, dht, p2p, peer_id, seed=args.seed, local_server=rebalancer.server, view=rebalancer.view
+                manifest,
+                dht,
+                p2p,
+                peer_id,
+                seed=args.seed,
+                local_server=rebalancer.server,
+                view=rebalancer.view,
+                traffic=rebalancer.traffic,
             )
             trainer_task = asyncio.create_task(trainer.train(data.train, stop))
             print(f"training on data shard {shard} ({len(data.train) / 1e6:.1f} MB)", flush=True)
@@ -237,6 +266,13 @@ def print_progress(rebalancer: Rebalancer, trainer: Trainer | None, as_json: boo
         "optimizer_steps": server.optimizer_steps,
         "recomputed_forwards": server.recomputed_forwards,
         "bad_requests": server.bad_requests,
+        "averaging_round": server.rounds.round,
+        "averaging_rounds": server.rounds.rounds,
+        "averaging_rounds_failed": server.rounds.failed,
+        "activation_bytes_sent": server.traffic.activation_sent,
+        "activation_bytes_received": server.traffic.activation_received,
+        "averaging_bytes_sent": server.traffic.averaging_sent,
+        "averaging_bytes_received": server.traffic.averaging_received,
     }
     if trainer is not None:
         loss, speed = trainer.recent_stats()
@@ -253,6 +289,10 @@ def print_progress(rebalancer: Rebalancer, trainer: Trainer | None, as_json: boo
     line = f"stage {server.stage}: served {server.samples_served} samples, {server.optimizer_steps} optimizer steps"
     if rebalancer.moves:
         line += f" ({rebalancer.moves} moves)"
+    if server.rounds.rounds or server.rounds.failed:
+        line += f", averaged {server.rounds.rounds} rounds"
+        if server.rounds.failed:
+            line += f" ({server.rounds.failed} skipped)"
     if trainer is not None:
         shown_loss = f"{loss:.3f}" if loss == loss else "-"  # NaN until the first microbatch completes
         line += f" | trainer: loss {shown_loss}, {speed:.1f} samples/s, {trainer.samples} samples"

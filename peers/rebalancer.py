@@ -22,14 +22,16 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from peers.server import StageServer, announced_rate, download_state, probe_bandwidth
+from peers.server import StageServer, Traffic, announced_rate, download_state, probe_bandwidth
 from swarm.balancing import PeerLoad, choose_stage, should_move, stage_totals
+from swarm.checkpoint import find_checkpoint
 from swarm.errors import PeerStartError, SwarmError
 from swarm.manifest import Manifest
 from swarm.model import build_stage
@@ -62,6 +64,13 @@ class ServingOptions:
     bandwidth_mbits: float | None = None  # --bandwidth: skip the network measurement
     simulated_speed: float = 1.0  # --simulated-speed (testing aid)
     public_name: str = ""
+    checkpoint_dir: Path | None = None  # --checkpoint-dir; None: no checkpoints
+    checkpoint_every: float = 300.0  # --checkpoint-every (seconds; 0: only on a clean exit)
+
+
+def _progress(counters: dict[str, int]) -> tuple[int, int]:
+    """How far a stage's state has come: averaging rounds first (the swarm's clock), then local optimizer steps."""
+    return counters.get("averaging_round", 0), counters.get("optimizer_steps", 0)
 
 
 def peer_loads(stages: Sequence[Sequence[Announcement]], now: float) -> list[PeerLoad]:
@@ -92,6 +101,7 @@ class Rebalancer:
         self.started = time.monotonic()
         self.server: StageServer | None = None
         self.moves = 0
+        self.traffic = Traffic()  # bytes moved by this peer's servers and trainer
         self._bandwidth: tuple[float, float] | None = None  # (download, upload) bytes/s
         self._bandwidth_measured = False  # False while it is the stated default (nobody to measure against)
         self._simulated: dict[int, SimulatedSpeed] = {}  # per stage, with --simulated-speed
@@ -119,7 +129,7 @@ class Rebalancer:
                 f"could not download the state of stage {server.stage} from any of its online peers; "
                 "check that they are reachable from here, then start again"
             )
-        await server.start(self.dht, self.p2p)
+        await server.start(self.dht, self.p2p, self.view)
         self._switch_to(server)
         return server
 
@@ -143,6 +153,9 @@ class Rebalancer:
             public_name=self.options.public_name,
             simulated=self._simulated.get(stage),
             started=self.started,
+            traffic=self.traffic,
+            checkpoint_dir=self.options.checkpoint_dir,
+            checkpoint_every=self.options.checkpoint_every,
         )
 
     # ------------------------------------------------------------------------------------ measurement
@@ -200,27 +213,47 @@ class Rebalancer:
         return [a for a in online if a.peer_id != self.peer_id]
 
     async def _take_over_state(self, server: StageServer, fresh_start_allowed: bool) -> bool:
-        """Load the stage's state from one of its online peers (fastest first). True if loaded, or if no online
-        peer has it and `fresh_start_allowed` (the stage starts from its seed initialisation); else False."""
+        """Load the stage's state: from one of its online peers (fastest first), or from this peer's checkpoint of
+        the stage if that is further ahead (or if no peer serves the stage any more). True if loaded, or if there
+        is neither and `fresh_start_allowed` (the stage starts from its seed initialisation); else False."""
         await self.view.all_stages(force=True)
         sources = sorted(await self._online_peers_of(server.stage), key=lambda a: -a.throughput)[:STATE_SOURCES]
-        if not sources:
-            if fresh_start_allowed:
-                logger.info(f"no online peer serves stage {server.stage}: starting from its initial parameters")
-            return fresh_start_allowed
+        checkpoint = find_checkpoint(self.options.checkpoint_dir, self.manifest, server.stage)
         for source in sources:
             try:
                 begin = time.monotonic()
-                items, steps = await download_state(self.p2p, source.peer_id, server, STATE_DOWNLOAD_TIMEOUT)
-                server.load_state(items, steps)
+                items, counters = await download_state(
+                    self.p2p, source.peer_id, self.manifest, server.stage, server.state_shapes(), STATE_DOWNLOAD_TIMEOUT
+                )
+                if checkpoint is not None and _progress(checkpoint.counters) > _progress(counters):
+                    logger.info(
+                        f"this peer's checkpoint of stage {server.stage} is ahead of peer {source.peer_id[-8:]}"
+                    )
+                    break
+                server.load_state(items, counters)
                 logger.info(
                     f"took over the state of stage {server.stage} from peer {source.peer_id[-8:]} "
-                    f"({steps} optimizer steps) in {time.monotonic() - begin:.1f}s"
+                    f"({counters['optimizer_steps']} optimizer steps) in {time.monotonic() - begin:.1f}s"
                 )
                 return True
             except Exception as e:  # a refusal, a timeout or a malformed state: try another
                 logger.warning(f"state download of stage {server.stage} from {source.peer_id[-8:]} failed: {e!r}")
-        return False
+        if checkpoint is not None:
+            try:
+                server.load_state(checkpoint.items, checkpoint.counters)
+                age = (time.time() - checkpoint.saved_at) / 60
+                logger.info(
+                    f"resumed stage {server.stage} from checkpoint {checkpoint.path} "
+                    f"({checkpoint.optimizer_steps} optimizer steps, saved {age:.1f} min ago)"
+                )
+                return True
+            except Exception as e:  # it passed the file checks but does not fit this stage's model
+                logger.error(f"checkpoint {checkpoint.path} does not fit stage {server.stage}: {e}; not loaded")
+        if sources:
+            return False
+        if fresh_start_allowed:
+            logger.info(f"no online peer serves stage {server.stage} and no checkpoint of it: starting afresh")
+        return fresh_start_allowed
 
     # ---------------------------------------------------------------------------------------- moves
 
@@ -289,7 +322,7 @@ class Rebalancer:
         await old.drain(DRAIN_TIMEOUT)
         await old.shutdown()
         try:
-            await new.start(self.dht, self.p2p)
+            await new.start(self.dht, self.p2p, self.view)
         except Exception as e:
             await new.shutdown()
             raise SwarmError(f"after leaving stage {old.stage}, serving stage {target} failed: {e!r}") from e

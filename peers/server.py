@@ -9,8 +9,12 @@ All model work runs in one worker thread, so requests never race on the weights,
 free to receive requests and to announce.
 
 Besides forward and backward, a server answers two control calls: a bandwidth probe (other peers measure
-their links against it) and a download of its stage's state (parameters and optimizer statistics), which a
-peer that starts serving the same stage loads before it announces itself online.
+their links against it) and a download of its stage's state (parameters, optimizer statistics and, in DiLoCo
+mode, the outer optimizer's state), which a peer that starts serving the same stage loads before it announces
+itself online.
+
+In the background it averages with the stage's other peers (swarm/averaging.py): every `every_samples` samples
+served by the stage across the swarm, as counted from everyone's announcements, it takes part in a round.
 """
 
 from __future__ import annotations
@@ -21,19 +25,31 @@ import math
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator  # noqa: UP035 (hivemind detects streams by typing.AsyncIterator only)
 
 import torch
 from hivemind import DHT
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
 
 from swarm import protocol
+from swarm.averaging import (
+    AveragingError,
+    RoundProgress,
+    StageAverager,
+    current_round,
+    outer_state_shapes,
+    round_payload_bytes,
+    swarm_samples_in_round,
+)
+from swarm.checkpoint import save_checkpoint
 from swarm.errors import BadRequestError, RemoteStageError
 from swarm.manifest import Manifest
 from swarm.model import StageModel
-from swarm.records import MAX_THROUGHPUT, Announcement, store_announcement
+from swarm.records import MAX_THROUGHPUT, Announcement, SwarmView, store_announcement
 from swarm.stage_state import expected_shapes, load_state_tensors, state_tensors
 from swarm.throughput import (
     FORWARD_SHARE,
@@ -51,6 +67,35 @@ NAMESPACE = "swarm"
 MAX_PENDING_REQUESTS = 64
 MAX_CONTROL_CALLS = 4  # state downloads served at once; each holds up to a stage's state in memory
 ACTIVATION_CACHE_BYTES = 1 << 30
+
+
+STATE_COUNTERS = ("optimizer_steps", "averaging_round")  # travel with a stage's state
+ROUND_CHECK_PERIOD = 1.0  # seconds between two looks at whether an averaging round is due
+NEAR_ROUND = 0.75  # past this share of a round's samples, those looks read fresh records
+
+
+@dataclass
+class Traffic:
+    """Bytes this peer moved over the network, by kind; shared by its stage servers (one after another, as it
+    moves) and its trainer, and announced as totals."""
+
+    activation_sent: int = 0  # activations and gradients between stages
+    activation_received: int = 0
+    averaging_sent: int = 0  # payload of averaging rounds
+    averaging_received: int = 0
+
+
+@dataclass
+class RoundCounters:
+    """Where this peer stands in its stage's averaging."""
+
+    round: int = 0  # number of the stage's next round
+    round_started_at: int = 0  # samples_served when that round's count began
+    weight_started_at: int = 0  # samples_served at this peer's last successful round (its weight counts from here)
+    rounds: int = 0  # rounds averaged with at least one other peer
+    failed: int = 0  # rounds that did not happen (no group, a peer left, a timeout)
+    last_group_size: int = 0
+    sizes: list[int] = field(default_factory=list)
 
 
 class WrongStageError(Exception):
@@ -83,6 +128,9 @@ class StageServer(ServicerBase):
         public_name: str = "",
         simulated: SimulatedSpeed | None = None,
         started: float | None = None,
+        traffic: Traffic | None = None,
+        checkpoint_dir: Path | None = None,
+        checkpoint_every: float = 0.0,
     ):
         self.manifest = manifest
         self.stage = stage
@@ -95,6 +143,16 @@ class StageServer(ServicerBase):
         self.simulated = simulated  # testing aid: emulate a slower device
         self.started = time.monotonic() if started is None else started  # when the peer (not this stage) began
         self.delivered = DeliveredThroughput()
+        self.traffic = traffic if traffic is not None else Traffic()
+        self.rounds = RoundCounters()
+        self.averager: StageAverager | None = None  # created on join (it needs the DHT); none in mode "none"
+        self._view: SwarmView | None = None
+        self._average_task: asyncio.Task | None = None
+        self.checkpoint_dir = checkpoint_dir  # None: no checkpoints
+        self.checkpoint_every = checkpoint_every  # seconds between two periodic checkpoints; 0: only on shutdown
+        self.checkpoints_saved = 0
+        self._checkpoint_task: asyncio.Task | None = None
+        self._went_online = False  # a server that never served has nothing worth a checkpoint
         self.first = stage == 0
         self.last = stage == manifest.num_stages - 1
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
@@ -131,19 +189,37 @@ class StageServer(ServicerBase):
         """Announce this peer as joining the stage (others count it in, and do not pick the stage too), and keep
         announcing while it downloads the stage's state."""
         self._dht, self._p2p = dht, p2p
+        self._create_averager()
         await self.announce()
         self._announce_task = asyncio.create_task(self._announce_forever())
 
-    async def start(self, dht: DHT, p2p: P2P) -> None:
-        """Register the RPC handlers, then announce online and keep announcing in the background."""
+    async def start(self, dht: DHT, p2p: P2P, view: SwarmView | None = None) -> None:
+        """Register the RPC handlers, then announce online and keep announcing (and averaging) in the background.
+        `view` is the peer's shared picture of the swarm (averaging reads the stage's records from it)."""
         self._dht, self._p2p = dht, p2p
+        self._create_averager()
         await self.add_p2p_handlers(p2p, namespace=NAMESPACE)
         self._handlers_added = True
         self.state = "online"
+        self._went_online = True
         await self.announce()
         if self._announce_task is None:
             self._announce_task = asyncio.create_task(self._announce_forever())
+        if self.averager is not None or self.manifest.averaging.mode != "none":
+            self._view = view or SwarmView(
+                dht, self.manifest.swarm_id, self.manifest.num_stages, self.manifest.network.announce_period
+            )
+            self._average_task = asyncio.create_task(self._average_forever())
+        if self.checkpoint_dir is not None and self.checkpoint_every > 0:
+            self._checkpoint_task = asyncio.create_task(self._checkpoint_forever())
         logger.info(f"serving stage {self.stage} (layers {list(self.model.layers)}) as {self.peer_id}")
+
+    def _create_averager(self) -> None:
+        if self.averager is None and self.manifest.averaging.mode != "none":
+            assert self._dht is not None
+            self.averager = StageAverager(
+                self.manifest, self.stage, self._dht, self.param_names, self.params, self.optimizer
+            )
 
     async def drain(self, timeout: float) -> None:
         """Stop taking new requests (they get 'busy' replies) and wait, up to `timeout`, for those in flight."""
@@ -161,8 +237,9 @@ class StageServer(ServicerBase):
 
         Every step has a timeout: on Ctrl-C the DHT process and the p2p daemon may already be gone."""
         self.state = "offline"
-        if self._announce_task is not None:
-            self._announce_task.cancel()
+        for task in (self._announce_task, self._average_task, self._checkpoint_task):
+            if task is not None:
+                task.cancel()
         steps = []
         if self._dht is not None and self._dht.is_alive():
             steps.append(("announcing offline", self.announce()))
@@ -177,9 +254,14 @@ class StageServer(ServicerBase):
         try:  # let the work in flight finish, but not forever (a hung device must not hang the exit)
             finish = asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
             await asyncio.wait_for(finish, timeout=self.manifest.training.timeouts.backward)
+            if self._went_online and self.checkpoint_dir is not None:  # the worker is done: read the state here
+                await self.save_checkpoint(in_worker=False)
         except TimeoutError:
-            logger.warning("work in flight did not finish in time; dropping it")
+            logger.warning("work in flight did not finish in time; dropping it (and the checkpoint on exit)")
             self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.averager is not None:
+            averager, self.averager = self.averager, None
+            await asyncio.get_running_loop().run_in_executor(None, averager.shutdown)
 
     def announcement(self) -> Announcement:
         rate = announced_rate
@@ -197,6 +279,14 @@ class StageServer(ServicerBase):
             pinned=self.pinned,
             device=device_name(self.device),
             public_name=self.public_name,
+            optimizer_steps=self.optimizer_steps,
+            averaging_round=self.rounds.round,
+            round_samples=self.samples_served - self.rounds.round_started_at,
+            averaging_rounds=self.rounds.rounds,
+            activation_bytes_sent=self.traffic.activation_sent,
+            activation_bytes_received=self.traffic.activation_received,
+            averaging_bytes_sent=self.traffic.averaging_sent,
+            averaging_bytes_received=self.traffic.averaging_received,
         )
 
     async def announce(self) -> None:
@@ -216,10 +306,18 @@ class StageServer(ServicerBase):
     # ---------------------------------------------------------------------------------------- RPC handlers
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return await self.handle("forward", request, str(context.remote_id))
+        return await self._handle_remote("forward", request, str(context.remote_id))
 
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return await self.handle("backward", request, str(context.remote_id))
+        return await self._handle_remote("backward", request, str(context.remote_id))
+
+    async def _handle_remote(
+        self, kind: str, request: runtime_pb2.ExpertRequest, caller: str
+    ) -> runtime_pb2.ExpertResponse:
+        self.traffic.activation_received += request.ByteSize()
+        reply = await self.handle(kind, request, caller)
+        self.traffic.activation_sent += reply.ByteSize()
+        return reply
 
     async def rpc_forward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -248,7 +346,7 @@ class StageServer(ServicerBase):
             return protocol.make_error_reply(str(e) or "the request stream did not finish in time", "bad_request")
         finally:
             self._pending -= 1
-        return await self.handle(kind, request, str(context.remote_id))
+        return await self._handle_remote(kind, request, str(context.remote_id))
 
     async def rpc_probe(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Bandwidth probe: take the request's payload, reply with `reply_bytes` bytes of zeros."""
@@ -280,22 +378,47 @@ class StageServer(ServicerBase):
         self._control_calls += 1
         try:
             # taken in the worker thread, between two requests, so parameters and statistics match
-            items = await asyncio.get_running_loop().run_in_executor(
-                self._executor, state_tensors, self.param_names, self.params, self.optimizer
-            )
+            items, counters = await asyncio.get_running_loop().run_in_executor(self._executor, self.state_snapshot)
             reply = protocol.make_reply([tensor for _, tensor in items])
             reply.metadata = protocol.MSGPackSerializer.dumps(
-                {"ok": True, "names": [name for name, _ in items], "optimizer_steps": self.optimizer_steps}
+                {"ok": True, "names": [name for name, _ in items], **counters}
             )
             for part in protocol.split_message(reply):
                 yield part
         finally:
             self._control_calls -= 1
 
-    def load_state(self, items: list[tuple[str, torch.Tensor]], optimizer_steps: int) -> None:
-        """Take over a stage's state downloaded from another peer (before this server serves anything)."""
-        load_state_tensors(items, self.param_names, self.params, self.optimizer)
-        self.optimizer_steps = optimizer_steps
+    def state_snapshot(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
+        """The stage's state as named CPU tensors, and its counters (worker thread: between two requests, so that
+        parameters and statistics match)."""
+        items = state_tensors(self.param_names, self.params, self.optimizer)
+        if self.averager is not None:
+            items += self.averager.outer_state()
+        return items, {"optimizer_steps": self.optimizer_steps, "averaging_round": self.rounds.round}
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every name a state of this stage may hold, with its shape."""
+        shapes = expected_shapes(self.param_names, self.params, self.optimizer)
+        shapes.update(outer_state_shapes(self.manifest.averaging, self.param_names, self.params))
+        return shapes
+
+    def load_state(self, items: list[tuple[str, torch.Tensor]], counters: dict[str, int]) -> None:
+        """Take over a stage's state downloaded from another peer or read from a checkpoint (before this server
+        serves anything). Raises BadRequestError, leaving everything untouched, if the state does not fit."""
+        outer = {name: tensor for name, tensor in items if name.startswith("outer/")}
+        shapes = outer_state_shapes(self.manifest.averaging, self.param_names, self.params)
+        for name, tensor in outer.items():
+            if name not in shapes:
+                raise BadRequestError(f"the state holds {name[:200]!r}, which this stage does not have")
+            if tuple(tensor.shape) != shapes[name] or tensor.dtype != torch.float32 or not protocol.all_finite(tensor):
+                raise BadRequestError(f"state tensor {name!r} is not a finite float32 tensor of {list(shapes[name])}")
+        load_state_tensors(
+            [item for item in items if item[0] not in outer], self.param_names, self.params, self.optimizer
+        )
+        if self.averager is not None:
+            self.averager.load_outer_state(outer)
+        self.optimizer_steps = counters.get("optimizer_steps", 0)
+        self.rounds.round = counters.get("averaging_round", 0)
         self.weights_version += 1
 
     def _refusal(self) -> runtime_pb2.ExpertResponse | None:
@@ -318,6 +441,118 @@ class StageServer(ServicerBase):
 
     def _release_slot(self, _: asyncio.Future) -> None:
         self._pending -= 1
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+
+    async def save_checkpoint(self, in_worker: bool = True) -> Path | None:
+        """Save the stage's state into the checkpoint folder (the copy is taken in the worker thread, between two
+        requests; the file is written in another thread). The path, or None if saving failed (logged)."""
+        assert self.checkpoint_dir is not None
+        loop = asyncio.get_running_loop()
+        try:
+            if in_worker:
+                items, counters = await loop.run_in_executor(self._executor, self.state_snapshot)
+            else:
+                items, counters = self.state_snapshot()
+            path = await loop.run_in_executor(
+                None, save_checkpoint, self.checkpoint_dir, self.manifest, self.stage, items, counters
+            )
+        except Exception as e:  # a full disk must not stop serving
+            logger.error(f"saving a checkpoint of stage {self.stage} into {self.checkpoint_dir} failed: {e!r}")
+            return None
+        self.checkpoints_saved += 1
+        logger.info(f"checkpoint of stage {self.stage} saved to {path} ({counters['optimizer_steps']} steps)")
+        return path
+
+    async def _checkpoint_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.checkpoint_every)
+            await self.save_checkpoint()
+
+    # ------------------------------------------------------------------------------------------ averaging
+
+    async def _average_forever(self) -> None:
+        """Take part in the stage's averaging rounds, whenever one is due; a failed round is logged and skipped."""
+        while True:
+            await asyncio.sleep(ROUND_CHECK_PERIOD)
+            try:
+                target = self.manifest.averaging.every_samples
+                others = await self._round_progress_of_others()
+                stage_round = current_round(self.rounds.round, others)
+                if stage_round > self.rounds.round:  # others averaged without us: count from their round on
+                    logger.info(f"stage {self.stage} is at averaging round {stage_round}; catching up")
+                    self.rounds.round, self.rounds.round_started_at = stage_round, self.samples_served
+                mine = self.samples_served - self.rounds.round_started_at
+                total = swarm_samples_in_round(self.rounds.round, mine, others)
+                if NEAR_ROUND * target <= total < target:  # close: look at fresh records, to meet the others in time
+                    others = await self._round_progress_of_others(fresh=True)
+                    total = swarm_samples_in_round(self.rounds.round, mine, others)
+                if total >= target:
+                    await self.average_round(alone=not others)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # never fatal: serving goes on
+                logger.warning(f"averaging round check failed: {e!r}")
+
+    async def _round_progress_of_others(self, fresh: bool = False) -> list[RoundProgress]:
+        assert self._view is not None
+        now, lifetime = get_dht_time(), 3 * self.manifest.network.announce_period
+        return [
+            RoundProgress(a.averaging_round, a.round_samples, a.delivered_throughput, now - (a.expiration - lifetime))
+            for a in await self._view.stage(self.stage, force=fresh)
+            if a.state == "online" and a.peer_id != self.peer_id and a.expiration > now
+        ]
+
+    async def average_round(self, alone: bool = False) -> bool:
+        """One round: contribute, all-reduce with whoever of the stage joins, apply. True if averaged with others.
+
+        Alone (no other online peer of the stage) there is nobody to average with: the round is skipped, except
+        for DiLoCo's outer step, which is applied to this peer's own pseudo-gradient."""
+        loop = asyncio.get_running_loop()
+        number, counters = self.rounds.round, self.rounds
+        begin_served = self.samples_served
+        weight = max(begin_served - counters.weight_started_at, 1)
+        averager = self.averager
+        averaged = False
+        if averager is not None:
+            if not alone:  # tell the others at once that the round is due here: they join sooner
+                try:
+                    await self.announce()
+                except Exception as e:
+                    logger.debug(f"announcing a round failed: {e!r}")
+            await loop.run_in_executor(self._executor, averager.begin_round)
+            try:
+                if alone:
+                    raise AveragingError("no other peer serves this stage")
+                timeout = 2 * self.manifest.averaging.matchmaking_time
+                begin = time.monotonic()
+                size = await loop.run_in_executor(None, averager.run_round, weight, timeout)
+                averaged = True
+                payload = round_payload_bytes(averager.numels, self.manifest.averaging.compression, size)
+                self.traffic.averaging_sent += payload
+                self.traffic.averaging_received += payload
+                counters.last_group_size = size
+                logger.info(
+                    f"averaging round {number} of stage {self.stage}: {size} peers, weight {weight}, "
+                    f"{payload / 1e6:.2f} MB sent, {time.monotonic() - begin:.1f}s"
+                )
+            except AveragingError as e:
+                if not alone:
+                    counters.failed += 1
+                    logger.warning(f"averaging round {number} of stage {self.stage} skipped: {e}")
+            try:
+                await loop.run_in_executor(self._executor, averager.finish_round, averaged)
+            except AveragingError as e:
+                averaged = False
+                counters.failed += 1
+                logger.warning(f"averaging round {number} of stage {self.stage} dropped: {e}")
+            if averaged:
+                counters.rounds += 1
+                counters.weight_started_at = begin_served
+                self.weights_version += 1
+        # the next round counts from now; samples served during this round belong to it
+        counters.round, counters.round_started_at = number + 1, begin_served
+        return averaged
 
     # ---------------------------------------------------------------------------- work (worker thread only)
 
@@ -537,14 +772,14 @@ async def probe_bandwidth(p2p: P2P, peer_id: str, manifest: Manifest, timeout: f
 
 
 async def download_state(
-    p2p: P2P, peer_id: str, server: StageServer, timeout: float
-) -> tuple[list[tuple[str, torch.Tensor]], int]:
-    """Fetch the state of `server`'s stage from `peer_id`: named tensors (not yet checked against the model,
-    see StageServer.load_state) and the optimizer steps taken so far. Raises RemoteStageError on a refusal."""
-    shapes = expected_shapes(server.param_names, server.params, server.optimizer)
+    p2p: P2P, peer_id: str, manifest: Manifest, stage: int, shapes: dict[str, tuple[int, ...]], timeout: float
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
+    """Fetch the state of `stage` from `peer_id`: named tensors (not yet checked against the model, see
+    StageServer.load_state; `shapes` are the names it may hold, from StageServer.state_shapes) and its counters
+    (optimizer_steps, averaging_round). Raises RemoteStageError on a refusal or a malformed reply."""
     max_bytes = sum(4 * math.prod(shape) for shape in shapes.values()) + 64 * len(shapes) + 65536
     stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
-    request = protocol.make_control_request(server.manifest, stage=server.stage)
+    request = protocol.make_control_request(manifest, stage=stage)
 
     async def fetch() -> runtime_pb2.ExpertResponse:
         parts = await stub.rpc_download_state(request)
@@ -554,9 +789,13 @@ async def download_state(
     largest = max(math.prod(shape) for shape in shapes.values())
     tensors = protocol.decode_reply(reply, max(largest, 1))  # raises RemoteStageError for an error reply
     metadata = protocol.MSGPackSerializer.loads(reply.metadata)
-    names, steps = metadata.get("names"), metadata.get("optimizer_steps")
+    names = metadata.get("names")
     if not isinstance(names, list) or len(names) != len(tensors) or not all(isinstance(n, str) for n in names):
         raise RemoteStageError("the state's names do not match its tensors", "internal")
-    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= 2**53:
-        raise RemoteStageError("the state's optimizer_steps is not a count", "internal")
-    return list(zip(names, tensors)), steps
+    counters = {}
+    for key in STATE_COUNTERS:
+        value = metadata.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 2**53:
+            raise RemoteStageError(f"the state's {key} is not a count", "internal")
+        counters[key] = value
+    return list(zip(names, tensors)), counters

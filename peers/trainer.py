@@ -26,7 +26,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from peers.server import StageServer, call_stage
+from peers.server import StageServer, Traffic, call_stage
 from swarm import protocol
 from swarm.data import sample_batch
 from swarm.errors import MicrobatchFailedError, RemoteStageError
@@ -56,8 +56,10 @@ class Trainer:
         seed: int | None = None,
         local_server: StageServer | None = None,
         view: SwarmView | None = None,
+        traffic: Traffic | None = None,
     ):
         self.manifest = manifest
+        self.traffic = traffic if traffic is not None else Traffic()  # shared with the peer's servers
         self.local_server = local_server  # this peer's own stage server: called directly, not over the network
         self.dht, self.p2p, self.peer_id = dht, p2p, peer_id
         # a peer shares one view between its trainer and its rebalancer: one DHT refresh per announce period
@@ -262,6 +264,8 @@ class Trainer:
             reply = await call_stage(self.p2p, peer_id, kind, request, timeout, self.max_elements)
             self.bytes_sent += request.ByteSize()
             self.bytes_received += reply.ByteSize()
+            self.traffic.activation_sent += request.ByteSize()
+            self.traffic.activation_received += reply.ByteSize()
         outputs = protocol.decode_reply(reply, self.max_elements)
         shapes = [tuple(t.shape) for t in outputs]
         if shapes != [tuple(e) for e in expect] or any(t.dtype != torch.float32 for t in outputs):

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -114,7 +116,20 @@ def averaging_compression(name: str) -> CompressionBase:
         return NoCompression()
     if name == "float16":
         return Float16Compression()
-    return SizeAdaptiveCompression(MIN_8BIT_ELEMENTS, less=Float16Compression(), greater_equal=Uniform8BitQuantization())
+    return SizeAdaptiveCompression(
+        MIN_8BIT_ELEMENTS, less=Float16Compression(), greater_equal=Uniform8BitQuantization()
+    )
+
+
+def outer_state_shapes(
+    config: AveragingConfig, names: list[str], params: list[torch.nn.Parameter]
+) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of DiLoCo's outer state in a stage's state (none in the other modes)."""
+    if config.mode != "diloco":
+        return {}
+    shapes = {f"outer/{n}/anchor": tuple(p.shape) for n, p in zip(names, params)}
+    shapes.update({f"outer/{n}/momentum": tuple(p.shape) for n, p in zip(names, params)})
+    return shapes
 
 
 def averaging_prefix(manifest: Manifest, stage: int) -> str:
@@ -123,6 +138,21 @@ def averaging_prefix(manifest: Manifest, stage: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ I/O
+
+
+class _Averager(DecentralizedAverager):
+    """hivemind's averager, which also closes its own connection to the p2p daemon when it stops (1.1.12 leaves
+    that connection's socket file behind in the temporary folder)."""
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        try:
+            await super()._shutdown(timeout)
+        except Exception as e:  # the daemon may be gone already (Ctrl-C reaches the whole process group)
+            logger.debug(f"averager shutdown: {e!r}")
+        try:
+            await self._p2p.shutdown()
+        except Exception as e:
+            logger.debug(f"averager p2p shutdown: {e!r}")
 
 
 class StageAverager:
@@ -150,7 +180,7 @@ class StageAverager:
         self._start: list[torch.Tensor] | None = None  # the averaged quantities as they were when the round began
         buffers = [torch.zeros(tuple(q.shape), dtype=torch.float32) for q in self._quantities()]
         self.numels = [b.numel() for b in buffers]
-        self._averager = DecentralizedAverager(
+        self._averager = _create_averager(
             buffers,
             dht,
             start=True,
@@ -236,13 +266,6 @@ class StageAverager:
             (f"outer/{n}/momentum", m.clone()) for n, m in zip(self.names, self.momentum)
         ]
 
-    def outer_shapes(self) -> dict[str, tuple[int, ...]]:
-        if not self.diloco:
-            return {}
-        shapes = {f"outer/{n}/anchor": tuple(p.shape) for n, p in zip(self.names, self.params)}
-        shapes.update({f"outer/{n}/momentum": tuple(p.shape) for n, p in zip(self.names, self.params)})
-        return shapes
-
     @torch.no_grad()
     def load_outer_state(self, items: dict[str, torch.Tensor]) -> None:
         """Take over the anchor and momentum (already checked for names, shapes and finite values); without
@@ -260,6 +283,18 @@ class StageAverager:
             self._averager.shutdown()
         except Exception as e:  # its process may already be gone
             logger.warning(f"stopping the averager failed: {e!r}")
+
+
+def _create_averager(*args, **kwargs) -> _Averager:
+    """hivemind sets SIGINT to 'ignore' in the calling process before it forks the averager (so that the child
+    ignores Ctrl-C) and never restores it: the peer would no longer stop on Ctrl-C. Restore it."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if in_main_thread else None
+    try:
+        return _Averager(*args, **kwargs)
+    finally:
+        if in_main_thread and previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _initialize_optimizer_state(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:

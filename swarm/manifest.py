@@ -249,7 +249,9 @@ def manifest_from_dict(raw: Any) -> Manifest:
         every_samples=a.integer("every_samples", default=defaults.every_samples, minimum=1, maximum=10**12),
         optimizer_state=a.boolean("optimizer_state", default=defaults.optimizer_state),
         compression=a.choice("compression", COMPRESSIONS, default=defaults.compression),
-        outer_learning_rate=a.number("outer_learning_rate", default=defaults.outer_learning_rate, minimum=0.0, maximum=10.0),
+        outer_learning_rate=a.number(
+            "outer_learning_rate", default=defaults.outer_learning_rate, minimum=0.0, maximum=10.0
+        ),
         outer_momentum=a.number("outer_momentum", default=defaults.outer_momentum, minimum=0.0, maximum=0.999),
         matchmaking_time=a.number("matchmaking_time", default=defaults.matchmaking_time, minimum=0.5, maximum=600.0),
         timeout=a.number("timeout", default=defaults.timeout, minimum=1.0, maximum=3600.0),

@@ -9,7 +9,6 @@ import torch
 from hivemind import DHT
 
 from conftest import LOOPBACK, tiny_manifest_dict
-
 from swarm.averaging import (
     AveragingError,
     RoundProgress,
@@ -26,7 +25,10 @@ from swarm.model import build_stage
 
 
 def test_round_counts_other_peers_of_the_same_round_with_their_progress_since_they_announced():
-    others = [RoundProgress(round=3, samples=100, rate=10.0, age=2.0), RoundProgress(round=2, samples=999, rate=0, age=0)]
+    others = [
+        RoundProgress(round=3, samples=100, rate=10.0, age=2.0),
+        RoundProgress(round=2, samples=999, rate=0, age=0),
+    ]
     assert swarm_samples_in_round(3, 50, others) == 50 + 100 + 20
     assert current_round(3, others) == 3
     assert current_round(1, others) == 3  # a peer that missed rounds catches up
@@ -152,9 +154,7 @@ def test_diloco_round_applies_the_outer_step_to_the_mean_pseudo_gradient(dhts):
             for k, (params, _) in enumerate(replicas):
                 for p in params:
                     p.add_(torch.full_like(p, 0.01 * (k + 1)))
-        pseudo = [
-            [a - p.detach() for a, p in zip(anchors[k], params)] for k, (params, _) in enumerate(replicas)
-        ]
+        pseudo = [[a - p.detach() for a, p in zip(anchors[k], params)] for k, (params, _) in enumerate(replicas)]
         mean = [(x + y) / 2 for x, y in zip(*pseudo)]
         expected = [a.clone() for a in anchors[0]]
         outer_step(expected, [torch.zeros_like(e) for e in expected], mean, 0.7, 0.9)

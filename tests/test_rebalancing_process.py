@@ -74,7 +74,7 @@ def test_a_peer_moves_to_a_weakened_stage_and_takes_over_its_trained_state(start
         async def fetch(peer_id: str) -> dict[str, torch.Tensor]:
             p2p = await dht.replicate_p2p()
             template = StageServer(manifest, 0, build_stage(manifest, 0), torch.device("cpu"), "x", Throughput(1, 1))
-            items, _ = await download_state(p2p, peer_id, template, timeout=30)
+            items, _ = await download_state(p2p, peer_id, manifest, 0, template.state_shapes(), timeout=30)
             return dict(items)
 
         moved = asyncio.run(fetch(mover.peer_id()))
