@@ -101,7 +101,9 @@ def load_checkpoint(path: Path, manifest: Manifest, stage: int) -> Checkpoint:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
     except (OSError, ValueError, SafetensorError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: {e}); delete it") from None
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: {e}); delete it"
+        ) from None
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a Swarm stage checkpoint (no '{FORMAT}' in its metadata)")
     if metadata.get("swarm_id") != manifest.swarm_id:
