@@ -198,6 +198,8 @@ def start_peer(
     args += [] if stage is None else ["--stage", str(stage)]
     args += ["--threads", "1", "--status-every", "5", "--log-level", "WARNING", "--json"]
     args += [] if trainer else ["--no-trainer"]
+    if "--checkpoint-dir" not in extra:  # a demo starts from scratch: never resume from an earlier run's state
+        args += ["--checkpoint-dir", str(log_path.parent / "checkpoints")]
     args += list(extra)
     # Its own session: Ctrl-C reaches only the demo, which then stops every peer cleanly.
     with open(log_path, "wb") as log:  # the child keeps its own copy of the file descriptor
