@@ -29,7 +29,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from peers.server import StageServer, Traffic, announced_rate, download_state, probe_bandwidth
+from peers.server import STATE_SOURCES, StageServer, Traffic, announced_rate, download_state, probe_bandwidth
 from swarm.balancing import PeerLoad, choose_stage, should_move, stage_totals
 from swarm.checkpoint import find_checkpoint
 from swarm.errors import PeerStartError, SwarmError
@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 
 JOIN_DELAY = 2.0  # peers wait up to this long before their first look, and again before a move
 STATE_DOWNLOAD_TIMEOUT = 120.0
-STATE_SOURCES = 3  # peers of a stage tried for its state before giving up
 DRAIN_TIMEOUT = 30.0
 
 

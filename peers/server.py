@@ -70,6 +70,7 @@ ACTIVATION_CACHE_BYTES = 1 << 30
 
 
 STATE_COUNTERS = ("optimizer_steps", "averaging_round")  # travel with a stage's state
+STATE_SOURCES = 3  # peers tried, one after another, for a stage's state
 ROUND_CHECK_PERIOD = 1.0  # seconds between two looks at whether an averaging round is due
 NEAR_ROUND = 0.75  # past this share of a round's samples, those looks read fresh records
 
@@ -479,9 +480,10 @@ class StageServer(ServicerBase):
                 target = self.manifest.averaging.every_samples
                 others = await self._round_progress_of_others()
                 stage_round = current_round(self.rounds.round, others)
-                if stage_round > self.rounds.round:  # others averaged without us: count from their round on
-                    logger.info(f"stage {self.stage} is at averaging round {stage_round}; catching up")
-                    self.rounds.round, self.rounds.round_started_at = stage_round, self.samples_served
+                if stage_round > self.rounds.round:  # others averaged without us
+                    ahead = [o.peer_id for o in others if o.round == stage_round]
+                    await self._catch_up(stage_round, ahead)
+                    continue
                 mine = self.samples_served - self.rounds.round_started_at
                 total = swarm_samples_in_round(self.rounds.round, mine, others)
                 if NEAR_ROUND * target <= total < target:  # close: look at fresh records, to meet the others in time
@@ -498,22 +500,52 @@ class StageServer(ServicerBase):
         assert self._view is not None
         now, lifetime = get_dht_time(), 3 * self.manifest.network.announce_period
         return [
-            RoundProgress(a.averaging_round, a.round_samples, a.delivered_throughput, now - (a.expiration - lifetime))
+            RoundProgress(
+                a.averaging_round, a.round_samples, a.delivered_throughput, now - (a.expiration - lifetime), a.peer_id
+            )
             for a in await self._view.stage(self.stage, force=fresh)
             if a.state == "online" and a.peer_id != self.peer_id and a.expiration > now
         ]
+
+    async def _catch_up(self, stage_round: int, ahead: list[str]) -> None:
+        """This peer missed rounds (it was alone, busy, or its round failed while others' succeeded). In parameters
+        mode it just counts from the stage's round on: the next round pulls it back to the others. In diloco mode
+        the replicas must share one anchor: it takes the stage's state from a peer that is at that round."""
+        if self.manifest.averaging.mode != "diloco":
+            logger.info(f"stage {self.stage} is at averaging round {stage_round}; catching up")
+            self.rounds.round, self.rounds.round_started_at = stage_round, self.samples_served
+            return
+        assert self._p2p is not None
+        for peer_id in ahead[:STATE_SOURCES]:
+            try:
+                shapes = self.state_shapes()
+                items, counters = await download_state(self._p2p, peer_id, self.manifest, self.stage, shapes, 120.0)
+                await asyncio.get_running_loop().run_in_executor(self._executor, self.load_state, items, counters)
+            except Exception as e:  # that peer may be gone or busy: try another, or again at the next look
+                logger.warning(f"taking the state of stage {self.stage} from {peer_id[-8:]} failed: {e!r}")
+                continue
+            self.rounds.round_started_at = self.rounds.weight_started_at = self.samples_served
+            logger.info(
+                f"stage {self.stage} is at averaging round {stage_round}: took its state from peer {peer_id[-8:]} "
+                "(DiLoCo replicas share one anchor; local steps since this peer's last round are dropped)"
+            )
+            return
 
     async def average_round(self, alone: bool = False) -> bool:
         """One round: contribute, all-reduce with whoever of the stage joins, apply. True if averaged with others.
 
         Alone (no other online peer of the stage) there is nobody to average with: the round is skipped, except
-        for DiLoCo's outer step, which is applied to this peer's own pseudo-gradient."""
+        for DiLoCo's outer step, which is applied to this peer's own pseudo-gradient. A failed round leaves the
+        model and the round number as they were (the peer catches up if the others' round succeeded)."""
         loop = asyncio.get_running_loop()
         number, counters = self.rounds.round, self.rounds
         begin_served = self.samples_served
         weight = max(begin_served - counters.weight_started_at, 1)
         averager = self.averager
         averaged = False
+        if averager is not None:
+            if alone and not averager.diloco:
+                averager = None  # nothing to do
         if averager is not None:
             if not alone:  # tell the others at once that the round is due here: they join sooner
                 try:
@@ -541,7 +573,7 @@ class StageServer(ServicerBase):
                     counters.failed += 1
                     logger.warning(f"averaging round {number} of stage {self.stage} skipped: {e}")
             try:
-                await loop.run_in_executor(self._executor, averager.finish_round, averaged)
+                await loop.run_in_executor(self._executor, self._finish_round, averaged, alone)
             except AveragingError as e:
                 averaged = False
                 counters.failed += 1
@@ -549,10 +581,18 @@ class StageServer(ServicerBase):
             if averaged:
                 counters.rounds += 1
                 counters.weight_started_at = begin_served
-                self.weights_version += 1
-        # the next round counts from now; samples served during this round belong to it
-        counters.round, counters.round_started_at = number + 1, begin_served
+        # the next count starts now (samples served during the round belong to it); after a failed round, with the
+        # same round number
+        if averaged or alone:
+            counters.round = number + 1
+        counters.round_started_at = begin_served
         return averaged
+
+    def _finish_round(self, averaged: bool, alone: bool) -> None:
+        """Worker thread: apply the round; forwards from now on use the new weights."""
+        assert self.averager is not None
+        if self.averager.finish_round(averaged, alone):
+            self.weights_version += 1
 
     # ---------------------------------------------------------------------------- work (worker thread only)
 

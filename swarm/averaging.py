@@ -66,6 +66,7 @@ class RoundProgress:
     samples: int  # samples it processed since the round began
     rate: float  # samples per second it has been delivering
     age: float  # seconds since it announced this
+    peer_id: str = ""
 
 
 def swarm_samples_in_round(my_round: int, my_samples: int, others: Iterable[RoundProgress]) -> float:
@@ -219,9 +220,13 @@ class StageAverager:
                 buffer.copy_(self.anchor[i] - value if self.diloco else value)
 
     @torch.no_grad()
-    def finish_round(self, averaged: bool) -> None:
-        """Apply a round's result (`averaged`), or, in diloco mode, this peer's own pseudo-gradient when it was
-        alone or the round failed (the outer step is part of the method even without others)."""
+    def finish_round(self, averaged: bool, alone: bool = False) -> bool:
+        """Apply a round's result (`averaged`); True if the model changed.
+
+        A peer `alone` in its stage applies, in diloco mode, the outer step to its own pseudo-gradient (the outer
+        step is part of the method even without others). After a failed round nothing changes: in diloco mode the
+        replicas must keep one anchor, so a peer whose round failed while others' succeeded takes the stage's
+        state again (the stage server sees that it fell behind by the round numbers)."""
         assert self._start is not None, "finish_round without begin_round"
         start, self._start = self._start, None
         if averaged:
@@ -229,10 +234,10 @@ class StageAverager:
                 result = [b.clone() for b in buffers]
             if not all(torch.isfinite(r).all() for r in result):
                 raise AveragingError("the round's result holds NaN or Inf; it was dropped")
-        elif self.diloco:
+        elif self.diloco and alone:
             result = [a - s for a, s in zip(self.anchor, start)]
         else:
-            return
+            return False
         quantities = self._quantities()
         if self.diloco:
             outer_step(self.anchor, self.momentum, result, self.config.outer_learning_rate, self.config.outer_momentum)
@@ -243,6 +248,7 @@ class StageAverager:
             for q, r, s in zip(quantities, result, start):
                 q.add_((r - s).to(q.device, q.dtype))
             _clamp_non_negative_statistics(self.params, self.optimizer)
+        return True
 
     # network thread ---------------------------------------------------------------------------------
 
