@@ -173,7 +173,15 @@ async def run_demo(
             "train_seconds": round(train_seconds, 1),
             "swarm_id": manifest.swarm_id,
             "peers": [
-                {"peer_id": a.peer_id, "stage": a.stage, "state": a.state, "samples_served": a.samples_served}
+                {
+                    "peer_id": a.peer_id,
+                    "stage": a.stage,
+                    "state": a.state,
+                    "samples_served": a.samples_served,
+                    "averaging_rounds": a.averaging_rounds,
+                    "averaging_mb_sent": round(a.averaging_bytes_sent / 1e6, 2),
+                    "activation_mb_sent": round(a.activation_bytes_sent / 1e6, 2),
+                }
                 for stage in served
                 for a in stage
             ],
@@ -260,10 +268,18 @@ def print_summary(console: Console, summary: dict) -> None:
     table.add_row("samples trained", str(summary["samples"]))
     console.print(table)
     peers = Table(title="peers")
-    for column in ("peer", "stage", "state", "samples served"):
+    for column in ("peer", "stage", "state", "samples served", "averaging rounds", "MB sent: averaging / activations"):
         peers.add_column(column)
     for p in sorted(summary["peers"], key=lambda p: p["stage"]):
-        peers.add_row(p["peer_id"][-12:], str(p["stage"]), p["state"], str(p["samples_served"]))
+        traffic = f"{p['averaging_mb_sent']:.1f} / {p['activation_mb_sent']:.1f}"
+        peers.add_row(
+            p["peer_id"][-12:],
+            str(p["stage"]),
+            p["state"],
+            str(p["samples_served"]),
+            str(p["averaging_rounds"]),
+            traffic,
+        )
     console.print(peers)
 
 

@@ -179,3 +179,23 @@ def test_a_round_without_a_group_fails_cleanly_and_changes_nothing(dhts):
         assert _distance([p.detach() for p in params], before) == 0
     finally:
         averager.shutdown()
+
+
+def test_optimizer_state_is_averaged_when_the_manifest_says_so(dhts):
+    manifest = _manifest(mode="parameters", compression="float32", optimizer_state=True)
+    replicas = _replicas(manifest, dhts(2), seeds=[1, 2])
+    try:
+        for k, (params, averager) in enumerate(replicas):
+            for p in params:
+                state = averager.optimizer.state[p]
+                state["exp_avg"].fill_(float(k))  # 0 on one replica, 1 on the other
+                state["exp_avg_sq"].fill_(float(k + 1))
+        _run_round(replicas, [1.0, 1.0])
+        for params, averager in replicas:
+            for p in params:
+                state = averager.optimizer.state[p]
+                assert torch.allclose(state["exp_avg"], torch.full_like(p, 0.5))
+                assert torch.allclose(state["exp_avg_sq"], torch.full_like(p, 1.5))
+    finally:
+        for _, averager in replicas:
+            averager.shutdown()
