@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 JOIN_DELAY = 2.0  # peers wait up to this long before their first look, and again before a move
 STATE_DOWNLOAD_TIMEOUT = 120.0
+STATE_ATTEMPTS = 2  # tries per source peer
 DRAIN_TIMEOUT = 30.0
 
 
@@ -218,7 +219,8 @@ class Rebalancer:
         await self.view.all_stages(force=True)
         sources = sorted(await self._online_peers_of(server.stage), key=lambda a: -a.throughput)[:STATE_SOURCES]
         checkpoint = find_checkpoint(self.options.checkpoint_dir, self.manifest, server.stage)
-        for source in sources:
+        # each source twice: a download can be cut short (the peer was busy starting up, a stream broke)
+        for source in [s for s in sources for _ in range(STATE_ATTEMPTS)]:
             try:
                 begin = time.monotonic()
                 items, counters = await download_state(
@@ -235,8 +237,9 @@ class Rebalancer:
                     f"({counters['optimizer_steps']} optimizer steps) in {time.monotonic() - begin:.1f}s"
                 )
                 return True
-            except Exception as e:  # a refusal, a timeout or a malformed state: try another
+            except Exception as e:  # a refusal, a timeout or a malformed state: try again, then another
                 logger.warning(f"state download of stage {server.stage} from {source.peer_id[-8:]} failed: {e!r}")
+                await asyncio.sleep(1.0)
         if checkpoint is not None:
             try:
                 server.load_state(checkpoint.items, checkpoint.counters)
