@@ -1,6 +1,7 @@
 """Convergence benchmark: does a swarm whose replicas average train as well as one process, on the same tokens?
 
     python benchmarks/convergence.py [--samples 16384] [--manifest examples/demo.json] [--runs abcd]
+                                     [--every-samples N] [--compression 8bit] [--max-in-flight 1]
 
 (a) trains the whole model in one process; (b), (c), (d) train it in a local swarm with 2 replicas per stage
 (one stage peer each, 1 thread) driven by two trainers in this process, each on its own data shard and half
@@ -178,6 +179,9 @@ def main() -> None:
     parser.add_argument("--runs", default="abcd", help="which runs (default abcd)")
     parser.add_argument("--every-samples", type=int, default=None, help="override averaging.every_samples")
     parser.add_argument("--compression", default=None, help="override averaging.compression")
+    parser.add_argument(
+        "--max-in-flight", type=int, default=None, help="override training.max_in_flight (microbatches per trainer)"
+    )
     args = parser.parse_args()
     runtime.setup_logging("WARNING")
     torch.set_num_threads(1)  # like each peer: the comparison is of the method, on the same compute per step
@@ -188,6 +192,9 @@ def main() -> None:
     if args.compression is not None:
         overrides["compression"] = args.compression
     manifest = dataclasses.replace(manifest, averaging=dataclasses.replace(manifest.averaging, **overrides))
+    if args.max_in_flight is not None:
+        training = dataclasses.replace(manifest.training, max_in_flight=args.max_in_flight)
+        manifest = dataclasses.replace(manifest, training=training)
     heldout = TextData.load_heldout(manifest.data.source, manifest.data.heldout_fraction)
     batches = heldout_batches(heldout, EVAL_BATCHES, manifest.training.microbatch_size, manifest.model.context_length)
     tokens = args.samples * manifest.model.context_length
@@ -196,6 +203,7 @@ def main() -> None:
         "tokens": tokens,
         "every_samples": manifest.averaging.every_samples,
         "compression": manifest.averaging.compression,
+        "max_in_flight": manifest.training.max_in_flight,
         "initial_heldout_loss": round(
             heldout_loss(manifest, dict(build_full_model(manifest.model).named_parameters()), batches), 4
         ),

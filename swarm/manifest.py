@@ -87,10 +87,10 @@ class AveragingConfig:
     none:       replicas never average (a baseline for benchmarks; replicas drift apart).
     """
 
-    mode: str = "parameters"
+    mode: str = "parameters"  # better than diloco in the convergence benchmark (docs/BENCHMARKS.md)
     every_samples: int = 2048  # samples processed by the stage, across the swarm, between two rounds
     optimizer_state: bool = False  # parameters mode: also average the optimizer's statistics
-    compression: str = "float16"
+    compression: str = "8bit"  # 142x fewer bytes than per-step fp32 all-reduce (docs/BENCHMARKS.md)
     outer_learning_rate: float = 0.7  # diloco mode
     outer_momentum: float = 0.9  # diloco mode
     matchmaking_time: float = 5.0  # seconds a round waits for the stage's other peers to join it
