@@ -119,9 +119,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--manifest", default=str(ROOT / "examples" / "demo.json"))
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=4,
+        help="microbatches the one trainer keeps in flight (default 4: with a single trainer, pipelining needs it)",
+    )
     parser.add_argument("--single", action="store_true", help=argparse.SUPPRESS)  # internal: run (a) and exit
     args = parser.parse_args()
     runtime.setup_logging("WARNING")
+    raw = json.loads(Path(args.manifest).read_text())
+    raw.setdefault("training", {})["max_in_flight"] = args.max_in_flight
+    args.manifest = str(Path(tempfile.mkdtemp(prefix="swarm-pipeline-")) / "manifest.json")
+    Path(args.manifest).write_text(json.dumps(raw))
     manifest = load_manifest(args.manifest)
     if args.single:
         print(json.dumps(single_process(manifest, args.samples)))

@@ -53,7 +53,9 @@ class TrainingConfig:
     learning_rate: float = 1e-3
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
-    max_in_flight: int = 4
+    # microbatches a trainer keeps in flight; more pipelines better but makes stage 0's gradients staler, which
+    # costs more loss than it gains when a swarm has many trainers (docs/BENCHMARKS.md, convergence)
+    max_in_flight: int = 1
     activation_compression: str = "float32"
     timeouts: Timeouts = field(default_factory=Timeouts)
 
@@ -217,7 +219,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
         weight_decay=t.number("weight_decay", default=0.01, minimum=0.0, maximum=100.0),
         # required: clipping bounds what one (possibly hostile) gradient can do to the weights
         max_grad_norm=t.number("max_grad_norm", default=1.0, minimum=1e-6),
-        max_in_flight=t.integer("max_in_flight", default=4, minimum=1, maximum=1024),
+        max_in_flight=t.integer("max_in_flight", default=TrainingConfig.max_in_flight, minimum=1, maximum=1024),
         activation_compression=t.choice("activation_compression", COMPRESSIONS, default="float32"),
         timeouts=timeouts,
     )
