@@ -25,7 +25,7 @@ import math
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator  # noqa: UP035 (hivemind detects streams by typing.AsyncIterator only)
 
@@ -96,7 +96,6 @@ class RoundCounters:
     rounds: int = 0  # rounds averaged with at least one other peer
     failed: int = 0  # rounds that did not happen (no group, a peer left, a timeout)
     last_group_size: int = 0
-    sizes: list[int] = field(default_factory=list)
 
 
 class WrongStageError(Exception):
