@@ -429,7 +429,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--join", required=True, metavar="MANIFEST", help="path of the swarm's manifest (JSON)")
+    parser.add_argument(
+        "--join",
+        required=True,
+        metavar="MANIFEST",
+        help="path or http(s) URL of the swarm's manifest (a URL ending in #<swarm id> is checked against it)",
+    )
     parser.add_argument("--out", required=True, metavar="FILE", help="the safetensors file to write (replaced whole)")
     parser.add_argument(
         "--timeout",

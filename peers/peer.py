@@ -34,6 +34,8 @@ examples:
       start the first peer of a swarm; it prints the addresses others join through
   swarm-peer --join my-swarm.json
       join a swarm whose manifest lists initial peers; pick the stage that needs help most
+  swarm-peer --join https://example.org/my-swarm.json#0123456789abcdef
+      the same with a published manifest; the part after # is the swarm id it must have
   swarm-peer --join my-swarm.json --stage 1 --no-trainer --device cuda
       serve stage 1 on the GPU, without running a trainer (a pinned peer never moves)
   swarm-peer --join my-swarm.json --throughput eval --bandwidth 50
@@ -52,7 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--join", required=True, metavar="MANIFEST", help="path of the swarm's manifest (JSON)")
+    parser.add_argument(
+        "--join",
+        required=True,
+        metavar="MANIFEST",
+        help="path or http(s) URL of the swarm's manifest (a URL ending in #<swarm id> is checked against it)",
+    )
     parser.add_argument(
         "--stage", type=int, default=None, help="serve this stage (default: the one with least throughput)"
     )

@@ -1,0 +1,125 @@
+"""Loading a manifest by URL, from a real HTTP server on loopback: the good case and every bad one."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from conftest import ROOT, tiny_manifest_dict
+from swarm.errors import ManifestError
+from swarm.manifest import load_manifest, manifest_from_dict
+
+GOOD = tiny_manifest_dict()
+OLD_VERSION = {**tiny_manifest_dict(), "protocol_version": 1}
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (the http.server API)
+        routes = {
+            "/swarm.json": (200, json.dumps(GOOD).encode()),
+            "/old.json": (200, json.dumps(OLD_VERSION).encode()),
+            "/page.html": (200, b"<html>not a manifest</html>"),
+            "/other.json": (200, json.dumps({"hello": "world"}).encode()),
+            "/binary": (200, bytes(range(256)) * 4),
+            "/huge.json": (200, b" " * 2_000_000),
+            "/broken": (500, b"oops"),
+        }
+        if self.path == "/slow.json":
+            time.sleep(5)
+        status, body = routes.get(self.path, (404, b"not found"))
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except OSError:
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture
+def silent_port():
+    """A port that accepts connections but never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+def test_a_manifest_loads_by_url_and_is_checked_against_the_swarm_id_in_the_url(server):
+    expected = manifest_from_dict(GOOD)
+    assert load_manifest(f"{server}/swarm.json") == expected
+    assert load_manifest(f"{server}/swarm.json#{expected.swarm_id}").swarm_id == expected.swarm_id
+    assert load_manifest(f"{server}/swarm.json#swarm_id={expected.swarm_id}").swarm_id == expected.swarm_id
+    with pytest.raises(ManifestError, match="has swarm id .* but the URL says 0123456789abcdef"):
+        load_manifest(f"{server}/swarm.json#0123456789abcdef")
+    with pytest.raises(ManifestError, match="is not a swarm id"):
+        load_manifest(f"{server}/swarm.json#latest")
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("/missing.json", "answered HTTP 404"),
+        ("/broken", "answered HTTP 500"),
+        ("/page.html", "does not hold a valid swarm manifest: the document is not valid JSON"),
+        ("/other.json", "does not hold a valid swarm manifest: manifest field 'name'"),
+        ("/old.json", "speaks protocol 3, the manifest asks for 1"),
+        ("/binary", "not UTF-8"),
+        ("/huge.json", "more than 1000000 bytes"),
+    ],
+)
+def test_bad_urls_give_one_clear_error(server, path, message):
+    with pytest.raises(ManifestError, match=message):
+        load_manifest(server + path, timeout=5)
+
+
+def test_a_url_that_does_not_answer_fails_within_the_timeout(server, silent_port):
+    for url in (f"http://127.0.0.1:{silent_port}/swarm.json", f"{server}/slow.json"):
+        begin = time.monotonic()
+        with pytest.raises(ManifestError, match="did not answer within 2 seconds"):
+            load_manifest(url, timeout=2)
+        assert time.monotonic() - begin < 4
+
+
+def test_refused_connections_fail_fast():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nobody listens there
+    with pytest.raises(ManifestError, match="could not get the manifest from .*refused"):
+        load_manifest(f"http://127.0.0.1:{port}/swarm.json", timeout=5)
+
+
+def test_swarm_peer_reports_a_bad_url_in_one_paragraph(server):
+    begin = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "peers.peer", "--join", f"{server}/missing.json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("swarm-peer: error: could not get the manifest")
+    assert "Traceback" not in result.stderr + result.stdout
+    assert time.monotonic() - begin < 30
