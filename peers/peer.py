@@ -15,13 +15,13 @@ import torch
 
 from peers import runtime
 from peers.rebalancer import Rebalancer, ServingOptions
-from peers.server import StageServer
+from peers.server import StageServer, fetch_manifest
 from peers.trainer import Trainer
 from swarm import __version__
 from swarm.checkpoint import default_checkpoint_dir
 from swarm.data import TextData
-from swarm.errors import SwarmError
-from swarm.manifest import Manifest, load_manifest
+from swarm.errors import ManifestError, SwarmError
+from swarm.manifest import Manifest, load_manifest, parse_manifest
 from swarm.model import count_parameters
 from swarm.records import MAX_THROUGHPUT
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
@@ -36,6 +36,8 @@ examples:
       join a swarm whose manifest lists initial peers; pick the stage that needs help most
   swarm-peer --join https://example.org/my-swarm.json#0123456789abcdef
       the same with a published manifest; the part after # is the swarm id it must have
+  swarm-peer --join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+      join through any running peer; it hands out the swarm's manifest
   swarm-peer --join my-swarm.json --stage 1 --no-trainer --device cuda
       serve stage 1 on the GPU, without running a trainer (a pinned peer never moves)
   swarm-peer --join my-swarm.json --throughput eval --bandwidth 50
@@ -58,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--join",
         required=True,
         metavar="MANIFEST",
-        help="path or http(s) URL of the swarm's manifest (a URL ending in #<swarm id> is checked against it)",
+        help="path or http(s) URL of the swarm's manifest (a URL ending in #<swarm id> is checked against it), "
+        "or the multiaddr of any running peer of the swarm (it hands out the manifest)",
     )
     parser.add_argument(
         "--stage", type=int, default=None, help="serve this stage (default: the one with least throughput)"
@@ -154,19 +157,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runtime.setup_logging(args.log_level)
+    dht = None
     try:
-        manifest = load_manifest(args.join)
-        if args.stage is not None and not 0 <= args.stage < manifest.num_stages:
-            raise SwarmError(f"--stage {args.stage}: the swarm has stages 0..{manifest.num_stages - 1}")
+        host_maddrs = args.host_maddrs or runtime.ALL_INTERFACES
+        # The DHT forks its own process: start it before any thread exists.
+        manifest: Manifest | None = None
+        if runtime.is_peer_multiaddr(args.join):  # join through a running peer: it hands out the manifest (below)
+            dht = runtime.start_dht([args.join], host_maddrs, args.announce_maddrs)
+        else:
+            manifest = load_manifest(args.join)
+            check_stage_flag(args, manifest)
+            dht = runtime.start_dht(list(manifest.initial_peers), host_maddrs, args.announce_maddrs)
         device = runtime.resolve_device(args.device)
         if args.threads:
             torch.set_num_threads(args.threads)
-        # The DHT forks its own process: start it before any thread exists.
-        dht = runtime.start_dht(
-            list(manifest.initial_peers), args.host_maddrs or runtime.ALL_INTERFACES, args.announce_maddrs
-        )
     except SwarmError as e:
         print(f"swarm-peer: error: {e}", file=sys.stderr)
+        if dht is not None:
+            dht.shutdown()
         return 2
     try:
         return asyncio.run(run_peer(args, manifest, dht, device))
@@ -177,10 +185,31 @@ def main(argv: list[str] | None = None) -> int:
         dht.shutdown()
 
 
-async def run_peer(args: argparse.Namespace, manifest: Manifest, dht, device: torch.device) -> int:
+def check_stage_flag(args: argparse.Namespace, manifest: Manifest) -> None:
+    if args.stage is not None and not 0 <= args.stage < manifest.num_stages:
+        raise SwarmError(f"--stage {args.stage}: the swarm has stages 0..{manifest.num_stages - 1}")
+
+
+async def manifest_from_peer(p2p, maddr: str) -> Manifest:
+    """The manifest of the swarm that the peer at `maddr` serves."""
+    try:
+        return parse_manifest(await fetch_manifest(p2p, maddr.rsplit("/p2p/", 1)[1], timeout=15.0), origin="it")
+    except ManifestError as e:
+        raise ManifestError(f"the peer at {maddr} sent a manifest that is not valid: {e}") from None
+    except Exception as e:  # not a swarm peer, gone, or too slow
+        raise SwarmError(
+            f"could not get the manifest from the peer at {maddr} ({type(e).__name__}: {str(e)[:200]}); is it a "
+            "running swarm-peer? Or join with the manifest's path or URL"
+        ) from None
+
+
+async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, device: torch.device) -> int:
     stop = asyncio.Event()
     runtime.install_stop_handlers(stop)
     p2p = await dht.replicate_p2p()
+    if manifest is None:  # joined through a peer's multiaddr: it hands out the manifest
+        manifest = await manifest_from_peer(p2p, args.join)
+        check_stage_flag(args, manifest)
     peer_id = str(dht.peer_id)
     print(f"swarm {manifest.name!r} (id {manifest.swarm_id}), peer {peer_id}", flush=True)
     print("reachable at:", flush=True)

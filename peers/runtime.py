@@ -40,6 +40,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def is_peer_multiaddr(text: str) -> bool:
+    """Whether --join names a peer (a multiaddr with /p2p/<id>) rather than a manifest file or URL."""
+    return text.startswith("/") and "/p2p/" in text and not Path(text).exists()
+
+
 def start_dht(
     initial_peers: list[str],
     host_maddrs: list[str],

@@ -47,7 +47,7 @@ from swarm.averaging import (
 )
 from swarm.checkpoint import save_checkpoint
 from swarm.errors import BadRequestError, RemoteStageError
-from swarm.manifest import Manifest
+from swarm.manifest import MAX_MANIFEST_BYTES, Manifest
 from swarm.model import StageModel
 from swarm.records import MAX_THROUGHPUT, Announcement, SwarmView, store_announcement
 from swarm.stage_state import expected_shapes, load_state_tensors, state_tensors
@@ -401,6 +401,13 @@ class StageServer(ServicerBase):
         shapes = expected_shapes(self.param_names, self.params, self.optimizer)
         shapes.update(outer_state_shapes(self.manifest.averaging, self.param_names, self.params))
         return shapes
+
+    async def rpc_manifest(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """The swarm's manifest as JSON, for a peer that joins by this peer's multiaddr (it cannot know the swarm
+        id yet, so the request carries nothing to check)."""
+        return runtime_pb2.ExpertResponse(
+            metadata=protocol.MSGPackSerializer.dumps({"ok": True, "manifest": self.manifest.to_json()})
+        )
 
     def load_state(self, items: list[tuple[str, torch.Tensor]], counters: dict[str, int]) -> None:
         """Take over a stage's state downloaded from another peer or read from a checkpoint (before this server
@@ -795,6 +802,17 @@ async def call_stage(
         return await protocol.combine_message(replies, runtime_pb2.ExpertResponse, reply_elements * 4 + 4096)
 
     return await asyncio.wait_for(exchange(), timeout=timeout)
+
+
+async def fetch_manifest(p2p: P2P, peer_id: str, timeout: float) -> str:
+    """The manifest (JSON text, not yet validated) of the swarm that `peer_id` serves."""
+    stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+    reply = await asyncio.wait_for(stub.rpc_manifest(runtime_pb2.ExpertRequest(), timeout=timeout), timeout)
+    metadata = protocol.MSGPackSerializer.loads(reply.metadata) if len(reply.metadata) < MAX_MANIFEST_BYTES else None
+    text = metadata.get("manifest") if isinstance(metadata, dict) else None
+    if not isinstance(text, str):
+        raise RemoteStageError("the peer's reply holds no manifest", "internal")
+    return text
 
 
 async def probe_bandwidth(p2p: P2P, peer_id: str, manifest: Manifest, timeout: float = 20.0) -> tuple[float, float]:

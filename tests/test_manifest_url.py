@@ -123,3 +123,45 @@ def test_swarm_peer_reports_a_bad_url_in_one_paragraph(server):
     assert result.stderr.startswith("swarm-peer: error: could not get the manifest")
     assert "Traceback" not in result.stderr + result.stdout
     assert time.monotonic() - begin < 30
+
+
+# ------------------------------------------------------------------------------------ join by a peer's multiaddr
+
+
+@pytest.mark.integration
+def test_a_peer_joins_through_another_peers_multiaddr(start_peer, write_manifest):
+    first = start_peer(write_manifest(tiny_manifest_dict()), "--stage", "0", "--no-trainer")
+    first.wait_for("serving stage 0")
+    joiner = start_peer(first.maddr(), "--stage", "1", "--no-trainer")  # no manifest at hand: the peer hands it out
+    joiner.wait_for("serving stage 1")
+    swarm_id = manifest_from_dict(tiny_manifest_dict()).swarm_id
+    assert f"(id {swarm_id})" in joiner.output()
+
+
+@pytest.mark.integration
+def test_joining_through_a_peer_that_is_not_there_or_not_a_swarm_peer_fails_clearly():
+    from hivemind import DHT
+
+    from conftest import LOOPBACK
+
+    bare = DHT(start=True, host_maddrs=[LOOPBACK])  # a DHT node, but no swarm-peer
+    try:
+        maddr = str(bare.get_visible_maddrs()[0])
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            closed = sock.getsockname()[1]
+        gone = f"/ip4/127.0.0.1/tcp/{closed}/p2p/{bare.peer_id}"
+        for join, message in ((maddr, "is it a running swarm-peer"), (gone, "could not join the DHT")):
+            begin = time.monotonic()
+            result = subprocess.run(
+                [sys.executable, "-m", "peers.peer", "--join", join, "--host-maddrs", LOOPBACK],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=90,
+            )
+            assert result.returncode == 2, result.stderr[-2000:]
+            assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+            assert time.monotonic() - begin < 30
+    finally:
+        bare.shutdown()
