@@ -155,6 +155,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint_or_from_peers_that_are_ahead(
     # alone again: the restarted peer resumes from its checkpoint, not from the seed initialisation
     again = start_peer(write_manifest(raw, "again.json"), "--stage", "0", "--no-trainer", "--checkpoint-every", "1")
     again.wait_for("resumed stage 0 from checkpoint")
+    again.wait_for("serving stage 0")  # printed once its handlers are up
     client = driver(manifest, again.maddr())
     resumed = client.state(again.peer_id())
     assert resumed.keys() == saved.keys()
@@ -166,6 +167,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint_or_from_peers_that_are_ahead(
     joined = write_manifest(raw, "joined.json")
     other = start_peer(joined, "--stage", "0", "--no-trainer", "--checkpoint-dir", str(tmp_path / "elsewhere"))
     other.wait_for("took over the state of stage 0")
+    other.wait_for("serving stage 0")
     again.kill()
     client = driver(manifest, other.maddr())
     client.train(other.peer_id(), seed=2, microbatches=3)
