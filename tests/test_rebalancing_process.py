@@ -60,8 +60,9 @@ def test_a_peer_moves_to_a_weakened_stage_and_takes_over_its_trained_state(start
     mover.wait_for("serving stage 1")  # 105 samples/s serve stage 0, 20 stage 1
     assert status(mover, "moves") == 0
 
-    # the trainer sends some microbatches to the slow stage-0 peer too (untried peers are tried early)
-    status(keeper, "optimizer_steps", until=lambda steps: steps >= 3)
+    # the slow stage-0 peer holds trained parameters: it averages with the trainer's peer (and may serve a few
+    # microbatches too; how many depends on routing)
+    status(keeper, "averaging_rounds", until=lambda rounds: rounds >= 1)
     trainer.kill()  # stage 0 is left with 5 samples/s, stage 1 has 70: the mover must go to stage 0
     assert status(mover, "stage", timeout=60, until=lambda stage: stage == 0) == 0
     assert status(mover, "moves") == 1
