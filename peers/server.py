@@ -205,7 +205,7 @@ class StageServer(ServicerBase):
         await self.announce()
         if self._announce_task is None:
             self._announce_task = asyncio.create_task(self._announce_forever())
-        if self.averager is not None or self.manifest.averaging.mode != "none":
+        if self.averager is not None:  # exists unless the mode is "none"
             self._view = view or SwarmView(
                 dht, self.manifest.swarm_id, self.manifest.num_stages, self.manifest.network.announce_period
             )
@@ -547,11 +547,9 @@ class StageServer(ServicerBase):
         number, counters = self.rounds.round, self.rounds
         begin_served = self.samples_served
         weight = max(begin_served - counters.weight_started_at, 1)
-        averager = self.averager
+        # alone, only DiLoCo has something to do (its own outer step)
+        averager = self.averager if self.averager is not None and (not alone or self.averager.diloco) else None
         averaged = False
-        if averager is not None:
-            if alone and not averager.diloco:
-                averager = None  # nothing to do
         if averager is not None:
             if not alone:  # tell the others at once that the round is due here: they join sooner
                 try:
