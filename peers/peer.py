@@ -14,14 +14,15 @@ from pathlib import Path
 import torch
 
 from peers import runtime
+from peers.metrics import start_metrics_server
 from peers.rebalancer import Rebalancer, ServingOptions
-from peers.server import StageServer, fetch_manifest
+from peers.server import StageServer
 from peers.trainer import Trainer
 from swarm import __version__
 from swarm.checkpoint import default_checkpoint_dir
 from swarm.data import TextData
-from swarm.errors import ManifestError, SwarmError
-from swarm.manifest import Manifest, load_manifest, parse_manifest
+from swarm.errors import SwarmError
+from swarm.manifest import Manifest, write_manifest
 from swarm.model import count_parameters
 from swarm.records import MAX_THROUGHPUT
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
@@ -30,8 +31,9 @@ logger = logging.getLogger("swarm-peer")
 
 EXAMPLES = """\
 examples:
-  swarm-peer --join examples/demo.json --host-maddrs /ip4/0.0.0.0/tcp/31337
-      start the first peer of a swarm; it prints the addresses others join through
+  swarm-peer --join my-swarm.json --new-swarm --host-maddrs /ip4/0.0.0.0/tcp/31337
+      start the first peer of a new swarm (see swarm-init); it writes the addresses others can join
+      through into my-swarm.json, ready to publish
   swarm-peer --join my-swarm.json
       join a swarm whose manifest lists initial peers; pick the stage that needs help most
   swarm-peer --join https://example.org/my-swarm.json#0123456789abcdef
@@ -46,6 +48,8 @@ examples:
       save the served stage's state every minute (and on exit); a restart resumes from it
   swarm-peer --join my-swarm.json --simulated-speed 0.25
       testing aid: behave like a device 4x slower than this one (compute takes 4x as long)
+  swarm-peer --join my-swarm.json --metrics-port 9100 --metrics-host 0.0.0.0
+      serve Prometheus metrics at http://<this machine>:9100/metrics, for a Prometheus on another machine
 """
 
 
@@ -56,12 +60,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    runtime.add_join_argument(parser)
     parser.add_argument(
-        "--join",
-        required=True,
-        metavar="MANIFEST",
-        help="path or http(s) URL of the swarm's manifest (a URL ending in #<swarm id> is checked against it), "
-        "or the multiaddr of any running peer of the swarm (it hands out the manifest)",
+        "--new-swarm",
+        action="store_true",
+        help="start a new swarm: do not contact the manifest's initial peers, and write this peer's addresses "
+        "into the manifest as its initial peers (into --write-manifest if given, else into the --join file)",
+    )
+    parser.add_argument(
+        "--write-manifest",
+        default=None,
+        metavar="PATH",
+        help="write the manifest, with this peer's addresses first among its initial peers, to PATH",
     )
     parser.add_argument(
         "--stage", type=int, default=None, help="serve this stage (default: the one with least throughput)"
@@ -120,6 +130,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="save a checkpoint this often (default: 300); 0: only when the peer stops cleanly",
     )
     parser.add_argument("--public-name", default="", help="a name shown to others in peer-status (at most 64 chars)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics of this peer at http://HOST:PORT/metrics (0: any free port, printed; "
+        "default: no metrics)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=None,
+        metavar="HOST",
+        help="address the metrics server listens on (default: 127.0.0.1, this machine only; "
+        "0.0.0.0 lets a Prometheus on another machine scrape it)",
+    )
     parser.add_argument("--data", default=None, metavar="PATH", help="train on this text file or folder instead")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="default: auto")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -149,8 +174,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--bandwidth must be a positive number of Mbit/s")
     if not 0 < args.simulated_speed <= 1:
         parser.error("--simulated-speed must be in (0, 1]: it can only slow a device down")
+    if args.new_swarm and args.write_manifest is None and not Path(args.join).is_file():
+        parser.error(
+            "--new-swarm writes this peer's addresses into the manifest: --join must be a manifest file, "
+            "or pass --write-manifest PATH"
+        )
     if len(args.public_name) > 64 or not args.public_name.isprintable():
         parser.error("--public-name must be at most 64 printable characters")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        parser.error("--metrics-port must be a port number from 1 to 65535, or 0 for any free port")
+    if args.metrics_host is not None and args.metrics_port is None:
+        parser.error("--metrics-host needs --metrics-port (metrics are off without it)")
+    args.metrics_host = args.metrics_host or "127.0.0.1"
     return args
 
 
@@ -161,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         host_maddrs = args.host_maddrs or runtime.ALL_INTERFACES
         # The DHT forks its own process: start it before any thread exists.
-        manifest: Manifest | None = None
-        if runtime.is_peer_multiaddr(args.join):  # join through a running peer: it hands out the manifest (below)
-            dht = runtime.start_dht([args.join], host_maddrs, args.announce_maddrs)
-        else:
-            manifest = load_manifest(args.join)
+        manifest = runtime.read_join(args.join)  # None: --join names a peer, which hands out the manifest (below)
+        if manifest is not None:
             check_stage_flag(args, manifest)
-            dht = runtime.start_dht(list(manifest.initial_peers), host_maddrs, args.announce_maddrs)
+        initial_peers = [] if args.new_swarm else runtime.bootstrap_peers(args.join, manifest)
+        if not initial_peers and not args.new_swarm:
+            print("the manifest lists no initial peers: starting a new swarm", flush=True)
+        dht = runtime.start_dht(initial_peers, host_maddrs, args.announce_maddrs)
         device = runtime.resolve_device(args.device)
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -190,31 +225,34 @@ def check_stage_flag(args: argparse.Namespace, manifest: Manifest) -> None:
         raise SwarmError(f"--stage {args.stage}: the swarm has stages 0..{manifest.num_stages - 1}")
 
 
-async def manifest_from_peer(p2p, maddr: str) -> Manifest:
-    """The manifest of the swarm that the peer at `maddr` serves."""
-    try:
-        return parse_manifest(await fetch_manifest(p2p, maddr.rsplit("/p2p/", 1)[1], timeout=15.0), origin="it")
-    except ManifestError as e:
-        raise ManifestError(f"the peer at {maddr} sent a manifest that is not valid: {e}") from None
-    except Exception as e:  # not a swarm peer, gone, or too slow
-        raise SwarmError(
-            f"could not get the manifest from the peer at {maddr} ({type(e).__name__}: {str(e)[:200]}); is it a "
-            "running swarm-peer? Or join with the manifest's path or URL"
-        ) from None
+def publish_addresses(args: argparse.Namespace, manifest: Manifest, addrs: list[str]) -> None:
+    """Write the manifest with this peer's addresses as initial peers, ready for the swarm's creator to publish."""
+    own = runtime.publishable_maddrs(addrs)
+    others = [] if args.new_swarm else [a for a in manifest.initial_peers if a not in own]
+    path = Path(args.write_manifest or args.join)
+    published = manifest.with_initial_peers(own + others)
+    write_manifest(published, path)
+    print(
+        f"wrote {path} with this peer's addresses as initial peers; publish it (a web server, a repository, a "
+        f"gist) and others join with: swarm-peer --join <its URL>#{manifest.swarm_id}",
+        flush=True,
+    )
 
 
 async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, device: torch.device) -> int:
     stop = asyncio.Event()
     runtime.install_stop_handlers(stop)
     p2p = await dht.replicate_p2p()
-    if manifest is None:  # joined through a peer's multiaddr: it hands out the manifest
-        manifest = await manifest_from_peer(p2p, args.join)
+    if manifest is None:
+        manifest = await runtime.manifest_through_peer(p2p, args.join, manifest)
         check_stage_flag(args, manifest)
     peer_id = str(dht.peer_id)
     print(f"swarm {manifest.name!r} (id {manifest.swarm_id}), peer {peer_id}", flush=True)
     print("reachable at:", flush=True)
     for addr in runtime.visible_maddrs(dht):
         print(f"  {addr}", flush=True)
+    if args.new_swarm or args.write_manifest:
+        publish_addresses(args, manifest, runtime.visible_maddrs(dht))
 
     trainer: Trainer | None = None
     trainer_task: asyncio.Task | None = None
@@ -241,7 +279,11 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
             trainer.local_server = server
 
     rebalancer = Rebalancer(manifest, dht, p2p, peer_id, device, options, on_switch=on_switch)
+    metrics = None
     try:
+        if args.metrics_port is not None:  # before the join (it may take minutes): scrapes show the peer "joining"
+            metrics = start_metrics_server(args.metrics_host, args.metrics_port, rebalancer, lambda: trainer)
+            print(f"metrics at {metrics.url}", flush=True)
         await rebalancer.start()
         balance_task = asyncio.create_task(rebalancer.run(stop))
         if args.trainer:
@@ -286,6 +328,8 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
             await asyncio.wait_for(p2p.shutdown(), timeout=5)
         except Exception as e:
             logger.warning(f"p2p shutdown failed: {e!r}")
+        if metrics is not None:
+            metrics.stop()
         print("stopped cleanly", flush=True)
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -11,8 +12,10 @@ from pathlib import Path
 
 import torch
 from hivemind import DHT
+from hivemind.p2p import P2P
 
 from swarm.errors import PeerStartError
+from swarm.manifest import Manifest, load_manifest
 
 ALL_INTERFACES = ["/ip4/0.0.0.0/tcp/0"]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -38,6 +41,39 @@ def resolve_device(name: str) -> torch.device:
     if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise PeerStartError("--device mps was asked for, but this torch has no MPS support; use --device auto or cpu")
     return torch.device(name)
+
+
+JOIN_HELP = (
+    "path or http(s) URL of the swarm's manifest (a URL ending in #<swarm id> is checked against it), "
+    "or the multiaddr of any running peer of the swarm (it hands out the manifest)"
+)
+
+
+def add_join_argument(parser: argparse.ArgumentParser) -> None:
+    """--join, the same in every program: a manifest's path or URL, or a running peer's multiaddr."""
+    parser.add_argument("--join", required=True, metavar="MANIFEST", help=JOIN_HELP)
+
+
+def read_join(join: str) -> Manifest | None:
+    """The manifest that --join names; None when it names a running peer (see `manifest_through_peer`)."""
+    return None if is_peer_multiaddr(join) else load_manifest(join)
+
+
+def bootstrap_peers(join: str, manifest: Manifest | None) -> list[str]:
+    """Whom the DHT bootstraps through: the peer --join names, or the manifest's initial peers."""
+    return [join] if manifest is None else list(manifest.initial_peers)
+
+
+async def manifest_through_peer(p2p: P2P, join: str, manifest: Manifest | None) -> Manifest:
+    """`manifest`, or when --join named a peer, the manifest that peer hands out.
+
+    `p2p` must be the replica the program keeps using: a second replica, shut down after the call, made
+    later calls to the same peer time out (docs/ARCHITECTURE.md, hivemind traps)."""
+    if manifest is not None:
+        return manifest
+    from peers.server import manifest_from_peer  # the server's client side; runtime stays light to import
+
+    return await manifest_from_peer(p2p, join)
 
 
 def is_peer_multiaddr(text: str) -> bool:
@@ -70,9 +106,10 @@ def start_dht(
         )
     except Exception as e:
         remove_stale_sockets(daemon_sockets() - sockets_before)
+        named = ", ".join(initial_peers[:3]) + (f" and {len(initial_peers) - 3} more" if len(initial_peers) > 3 else "")
         hint = (
-            "none of the manifest's initial peers could be reached; check that they are running and that "
-            "their addresses are reachable from here"
+            f"no initial peer could be reached ({named}); check that they are running and that their addresses "
+            "are reachable from here"
             if initial_peers
             else "the DHT daemon did not start"
         )
@@ -111,6 +148,12 @@ def visible_maddrs(dht: DHT) -> list[str]:
     """Multiaddrs other peers can dial, loopback and wildcard addresses last."""
     addrs = [str(a) for a in dht.get_visible_maddrs()]
     return sorted(addrs, key=lambda a: ("/127.0.0.1/" in a or "/::1/" in a, a))
+
+
+def publishable_maddrs(addrs: list[str]) -> list[str]:
+    """The addresses worth giving to peers on other machines: all but loopback ones, unless only those exist."""
+    remote = [a for a in addrs if not ("/127.0.0.1/" in a or "/::1/" in a)]
+    return remote or list(addrs)
 
 
 def install_stop_handlers(stop: asyncio.Event) -> None:

@@ -46,10 +46,10 @@ from swarm.averaging import (
     swarm_samples_in_round,
 )
 from swarm.checkpoint import save_checkpoint
-from swarm.errors import BadRequestError, RemoteStageError
-from swarm.manifest import MAX_MANIFEST_BYTES, Manifest
+from swarm.errors import BadRequestError, ManifestError, RemoteStageError, SwarmError
+from swarm.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from swarm.model import StageModel
-from swarm.records import MAX_THROUGHPUT, Announcement, SwarmView, store_announcement
+from swarm.records import MAX_THROUGHPUT, Announcement, SwarmView, announcement_lifetime, store_announcement
 from swarm.stage_state import expected_shapes, load_state_tensors, state_tensors
 from swarm.throughput import (
     FORWARD_SHARE,
@@ -292,7 +292,7 @@ class StageServer(ServicerBase):
     async def announce(self) -> None:
         # The same lifetime for every state: the DHT refuses a value that expires earlier than the one it replaces,
         # so a shorter-lived "offline" record would be dropped.
-        lifetime = 3 * self.manifest.network.announce_period
+        lifetime = announcement_lifetime(self.manifest.network.announce_period)
         await store_announcement(self._dht, self.manifest.swarm_id, self.announcement(), lifetime)
 
     async def _announce_forever(self) -> None:
@@ -504,7 +504,7 @@ class StageServer(ServicerBase):
 
     async def _round_progress_of_others(self, fresh: bool = False) -> list[RoundProgress]:
         assert self._view is not None
-        now, lifetime = get_dht_time(), 3 * self.manifest.network.announce_period
+        now, lifetime = get_dht_time(), announcement_lifetime(self.manifest.network.announce_period)
         return [
             RoundProgress(
                 a.averaging_round, a.round_samples, a.delivered_throughput, now - (a.expiration - lifetime), a.peer_id
@@ -811,6 +811,19 @@ async def fetch_manifest(p2p: P2P, peer_id: str, timeout: float) -> str:
     if not isinstance(text, str):
         raise RemoteStageError("the peer's reply holds no manifest", "internal")
     return text
+
+
+async def manifest_from_peer(p2p: P2P, maddr: str) -> Manifest:
+    """The validated manifest of the swarm that the peer at `maddr` (a multiaddr with /p2p/<id>) serves."""
+    try:
+        return parse_manifest(await fetch_manifest(p2p, maddr.rsplit("/p2p/", 1)[1], timeout=15.0), origin="it")
+    except ManifestError as e:
+        raise ManifestError(f"the peer at {maddr} sent a manifest that is not valid: {e}") from None
+    except Exception as e:  # not a swarm peer, gone, or too slow
+        raise SwarmError(
+            f"could not get the manifest from the peer at {maddr} ({type(e).__name__}: {str(e)[:200]}); is it a "
+            "running swarm-peer? Or join with the manifest's path or URL"
+        ) from None
 
 
 async def probe_bandwidth(p2p: P2P, peer_id: str, manifest: Manifest, timeout: float = 20.0) -> tuple[float, float]:

@@ -31,7 +31,7 @@ from swarm import protocol
 from swarm.data import sample_batch
 from swarm.errors import MicrobatchFailedError, RemoteStageError
 from swarm.manifest import Manifest
-from swarm.records import SwarmView, TrainerReport, store_trainer_report
+from swarm.records import SwarmView, TrainerReport, announcement_lifetime, store_trainer_report
 from swarm.routing import Router, online_peers
 
 logger = logging.getLogger(__name__)
@@ -321,7 +321,7 @@ class Trainer:
                 failed_microbatches=self.failed_microbatches,
             )
             try:
-                await store_trainer_report(self.dht, self.manifest.swarm_id, report, 3 * period)
+                await store_trainer_report(self.dht, self.manifest.swarm_id, report, announcement_lifetime(period))
                 announced = {a.peer_id for anns in await self.view.all_stages() for a in anns}
                 self.router.forget(keep=announced)  # what was learnt of peers long gone
             except Exception as e:

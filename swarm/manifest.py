@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import re
 import time
 import urllib.error
@@ -153,6 +154,18 @@ class Manifest:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+def write_manifest(manifest: Manifest, path: Path) -> None:
+    """Write a manifest atomically (a reader never sees half a file); ManifestError if that is impossible."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(manifest.to_json(), encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError as e:
+        temporary.unlink(missing_ok=True)
+        raise ManifestError(f"cannot write the manifest to {path}: {e.strerror or e}") from None
 
 
 # ---------------------------------------------------------------------------------------------- loading

@@ -144,3 +144,15 @@ def _is_norm_parameter(module: nn.Module, param_name: str) -> bool:
 
 def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def count_stage_parameters(manifest: Manifest) -> list[int]:
+    """Parameters of each stage, counted on torch's meta device (no memory, no initialisation)."""
+    with torch.device("meta"):
+        parts = [Embeddings(manifest.model), Block(manifest.model), Head(manifest.model)]
+    embeddings, block, head = (sum(p.numel() for p in part.parameters()) for part in parts)
+    last = manifest.num_stages - 1
+    return [
+        (embeddings if stage == 0 else 0) + len(manifest.stage_layers(stage)) * block + (head if stage == last else 0)
+        for stage in range(manifest.num_stages)
+    ]

@@ -27,6 +27,13 @@ MAX_LIFETIME = 3600.0  # records that claim to live longer than this are dropped
 DHT_TIMEOUT = 10.0  # seconds for one DHT read or write
 
 
+LIFETIME_PERIODS = 3  # an announcement lives this many announce periods: one lost write does not drop a peer
+
+
+def announcement_lifetime(announce_period: float) -> float:
+    return LIFETIME_PERIODS * announce_period
+
+
 def stage_key(swarm_id: str, stage: int) -> str:
     return f"{swarm_id}.stage.{stage}"
 
@@ -60,6 +67,7 @@ class Announcement:
     activation_bytes_received: int = 0
     averaging_bytes_sent: int = 0  # payload of averaging rounds
     averaging_bytes_received: int = 0
+    relay: bool = False  # others reach this peer only through a relay (it is behind a NAT or firewall)
     version: str = __version__
     protocol_version: int = PROTOCOL_VERSION
     expiration: float = 0.0  # filled in when read from the DHT
@@ -114,6 +122,7 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
             activation_bytes_received=_count(record["activation_bytes_received"]),
             averaging_bytes_sent=_count(record["averaging_bytes_sent"]),
             averaging_bytes_received=_count(record["averaging_bytes_received"]),
+            relay=_flag(record.get("relay", False)),  # optional: added to protocol 3 later
             version=_text(record["version"]),
             expiration=float(expiration),
         )

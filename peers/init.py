@@ -1,0 +1,161 @@
+"""swarm-init: write the manifest of a new swarm from a model size preset and explicit settings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from swarm import __version__
+from swarm.errors import SwarmError
+from swarm.manifest import AVERAGING_MODES, COMPRESSIONS, OPTIMIZERS, Manifest, write_manifest
+from swarm.model import count_stage_parameters
+from swarm.presets import PRESETS, new_manifest
+
+EXAMPLES = """\
+examples:
+  swarm-init my-swarm
+      a tiny model (0.8M parameters, 2 stages) trained on Python's standard library: try it on CPUs
+  swarm-init my-swarm --preset 1b --data /data/corpus --out my-swarm.json
+      about 1B parameters in 4 stages for GPUs, trained on the text files under /data/corpus
+  swarm-init my-swarm --preset small --stages 4 --learning-rate 5e-4 --averaging-mode diloco
+      a preset with some settings changed
+  swarm-init my-swarm --width 256 --depth 6 --heads 8 --context-length 256 --stages 3
+      explicit model settings (the rest from the tiny preset)
+
+then start the swarm's first peer, which writes its addresses into the manifest:
+  swarm-peer --join my-swarm.json --new-swarm
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="swarm-init",
+        description="Create a new swarm: write its manifest (model, stages, training settings, data source).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("name", help="the swarm's name, shown to everyone who joins (at most 64 characters)")
+    presets = ", ".join(f"{name} ({p.description.split(';')[0]})" for name, p in PRESETS.items())
+    parser.add_argument("--preset", default="tiny", choices=list(PRESETS), help=f"model size: {presets}")
+    parser.add_argument("--stages", type=int, default=None, help="number of pipeline stages (default: the preset's)")
+    parser.add_argument("--out", "-o", default=None, metavar="PATH", help="where to write it (default: NAME.json)")
+    parser.add_argument("--force", action="store_true", help="overwrite PATH if it exists")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary instead of a table")
+    parser.add_argument("--version", action="version", version=f"swarm {__version__}")
+
+    model = parser.add_argument_group("model (default: the preset's)")
+    for flag in ("width", "depth", "heads", "context-length", "vocab-size", "seed"):
+        model.add_argument(f"--{flag}", type=int, default=None)
+
+    training = parser.add_argument_group("training (default: the preset's)")
+    training.add_argument("--microbatch-size", type=int, default=None, help="samples per microbatch")
+    training.add_argument("--microbatches-per-step", type=int, default=None, help="microbatches per optimizer step")
+    training.add_argument("--learning-rate", type=float, default=None)
+    training.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
+    training.add_argument("--max-in-flight", type=int, default=None, help="microbatches a trainer keeps in flight")
+    training.add_argument("--activation-compression", choices=COMPRESSIONS, default=None, help="between stages")
+    training.add_argument("--averaging-mode", choices=AVERAGING_MODES, default=None, help="within a stage")
+    training.add_argument("--averaging-every", type=int, default=None, metavar="SAMPLES", help="samples per round")
+    training.add_argument("--averaging-compression", choices=COMPRESSIONS, default=None)
+    training.add_argument(
+        "--data",
+        default=None,
+        metavar="SOURCE",
+        help="'stdlib' (Python's standard library, default) or a text file or folder that every peer has at "
+        "this path (a peer can override it with swarm-peer --data)",
+    )
+    training.add_argument("--initial-peers", nargs="+", default=None, metavar="MADDR", help="bootstrap multiaddrs")
+    args = parser.parse_args(argv)
+    if not args.name.strip() or len(args.name) > 64 or not args.name.isprintable():
+        parser.error("NAME must be 1 to 64 printable characters")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out) if args.out else Path(f"{args.name.strip().replace(' ', '-').replace('/', '-')}.json")
+    try:
+        if out.exists() and not args.force:
+            raise SwarmError(f"{out} already exists; pass --force to overwrite it, or --out another path")
+        manifest = new_manifest(
+            args.name,
+            args.preset,
+            stages=args.stages,
+            model=_given(args, "width", "depth", "heads", "context_length", "vocab_size", "seed"),
+            training=_given(
+                args,
+                "microbatch_size",
+                "microbatches_per_step",
+                "learning_rate",
+                "optimizer",
+                "max_in_flight",
+                "activation_compression",
+            ),
+            averaging={
+                key: value
+                for key, value in (
+                    ("mode", args.averaging_mode),
+                    ("every_samples", args.averaging_every),
+                    ("compression", args.averaging_compression),
+                )
+                if value is not None
+            },
+            data_source=args.data,
+            initial_peers=args.initial_peers,
+        )
+        write_manifest(manifest, out)
+    except SwarmError as e:
+        print(f"swarm-init: error: {e}", file=sys.stderr)
+        return 2
+    summary = summarize(manifest, out)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_summary(summary)
+    return 0
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def summarize(manifest: Manifest, path: Path) -> dict[str, Any]:
+    per_stage = count_stage_parameters(manifest)
+    return {
+        "path": str(path),
+        "name": manifest.name,
+        "swarm_id": manifest.swarm_id,
+        "parameters": sum(per_stage),
+        "stages": [
+            {"stage": i, "layers": list(layers), "parameters": count}
+            for i, (layers, count) in enumerate(zip(manifest.stages, per_stage))
+        ],
+        "initial_peers": list(manifest.initial_peers),
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    console = Console()
+    console.print(
+        f"wrote [bold]{summary['path']}[/]: swarm [bold]{summary['name']}[/] (id {summary['swarm_id']}), "
+        f"{summary['parameters'] / 1e6:.1f}M parameters"
+    )
+    table = Table("stage", "layers", "parameters")
+    for stage in summary["stages"]:
+        start, end = stage["layers"]
+        table.add_row(str(stage["stage"]), f"{start}..{end - 1}", f"{stage['parameters'] / 1e6:.1f}M")
+    console.print(table)
+    console.print("next: start the swarm's first peer; it writes its addresses into the manifest:")
+    console.print(f"  swarm-peer --join {summary['path']} --new-swarm", highlight=False)
+    console.print("then publish it (a web server, a repository, a gist); others join with:")
+    console.print(f"  swarm-peer --join <its URL>#{summary['swarm_id']}", highlight=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""peer-status: look at a swarm from outside, as a DHT client that serves nothing and stores nothing."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from hivemind.utils import get_dht_time
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from peers import runtime
+from swarm import __version__
+from swarm.errors import SwarmError
+from swarm.health import DEGRADED, UNREACHABLE, exit_code, find_peer, swarm_health
+from swarm.manifest import Manifest
+from swarm.records import fetch_announcements, fetch_trainer_reports
+
+GONE_AFTER = 600.0  # --watch keeps showing a peer that vanished for this many seconds, as "gone"
+
+EXAMPLES = """\
+examples:
+  peer-status --join https://example.org/my-swarm.json
+      the swarm's health, its stages and its peers, once
+  peer-status --join my-swarm.json --watch 5
+      the same, refreshed in place every 5 seconds (Ctrl-C to stop)
+  peer-status --join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... --json
+      one JSON document with everything shown (for scripts); with --watch, one per line
+  peer-status --join my-swarm.json --peer 3xYzAbCd
+      one peer in detail (a part of its id of at least 4 characters, or its public name)
+
+exit codes: 0 healthy (every stage served by an online peer), 1 degraded (some stage has none, or --peer
+found no such peer), 2 the swarm cannot be reached (bad manifest, no initial peer answers)
+"""
+
+STATUS_STYLES = {"online": "green", "joining": "cyan", "stale": "yellow", "offline": "red", "gone": "red"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="peer-status",
+        description="Show a Swarm: its health, stages, peers and training progress, read from the DHT.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    runtime.add_join_argument(parser)
+    parser.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS")
+    parser.add_argument("--json", action="store_true", help="print JSON (one document; one line per refresh)")
+    parser.add_argument("--peer", default=None, metavar="ID", help="show one peer in detail")
+    parser.add_argument(
+        "--host-maddrs",
+        nargs="+",
+        default=None,
+        metavar="MADDR",
+        help="multiaddrs for this client's DHT node (default: /ip4/0.0.0.0/tcp/0; it accepts no requests)",
+    )
+    parser.add_argument("--version", action="version", version=f"swarm {__version__}")
+    args = parser.parse_args(argv)
+    if args.watch is not None and not 0.5 <= args.watch <= 86400:
+        parser.error("--watch must be between 0.5 and 86400 seconds")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runtime.setup_logging("ERROR")  # a monitor prints its view, not hivemind's chatter
+    dht = None
+    try:
+        manifest = runtime.read_join(args.join)  # None: --join names a peer, which hands out the manifest
+        initial_peers = runtime.bootstrap_peers(args.join, manifest)
+        if not initial_peers:
+            raise SwarmError(
+                "the manifest lists no initial peers, so there is no swarm to reach; use the manifest that the "
+                "swarm's first peer wrote (swarm-peer --new-swarm), or --join the multiaddr of a running peer"
+            )
+        dht = runtime.start_dht(initial_peers, args.host_maddrs or runtime.ALL_INTERFACES, client_mode=True)
+        return asyncio.run(watch(args, manifest, dht))
+    except SwarmError as e:
+        print(f"peer-status: error: {e}", file=sys.stderr)
+        return UNREACHABLE
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if dht is not None:
+            dht.shutdown()
+
+
+async def watch(args: argparse.Namespace, manifest: Manifest | None, dht) -> int:
+    if manifest is None:
+        manifest = await runtime.manifest_through_peer(await dht.replicate_p2p(), args.join, manifest)
+    console = Console() if sys.stdout.isatty() else Console(width=160)  # piped: do not squeeze the tables
+    seen: dict[str, dict[str, Any]] = {}  # peers seen earlier, to show as "gone" when they vanish (--watch)
+    document = await read_swarm(dht, manifest, args.join, seen)
+    if args.watch is None:
+        return show_once(args, document, console)
+    code = show_once(args, document, console) if args.json else exit_code(document)
+    if args.json:
+        while True:
+            await asyncio.sleep(args.watch)
+            code = show_once(args, await read_swarm(dht, manifest, args.join, seen), console)
+    with Live(render(args, document), console=console, auto_refresh=False, screen=False) as live:
+        while True:
+            await asyncio.sleep(args.watch)
+            document = await read_swarm(dht, manifest, args.join, seen)
+            live.update(render(args, document), refresh=True)
+            code = exit_code(document)
+    return code
+
+
+async def read_swarm(dht, manifest: Manifest, source: str, seen: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Read every stage's announcements and the trainers' reports; SwarmError if the DHT does not answer."""
+    try:
+        results = await asyncio.gather(
+            *[fetch_announcements(dht, manifest.swarm_id, stage) for stage in range(manifest.num_stages)],
+            fetch_trainer_reports(dht, manifest.swarm_id),
+        )
+    except Exception as e:  # the DHT process died or timed out
+        raise SwarmError(f"could not read the swarm's records from the DHT ({type(e).__name__}: {e})") from None
+    now = get_dht_time()
+    document = swarm_health(manifest, list(results[:-1]), results[-1], now, manifest_source=source)
+    current = {(p["peer_id"], p["stage"]) for p in document["peers"]}
+    for peer in document["peers"]:
+        seen[f"{peer['peer_id']}/{peer['stage']}"] = {**peer, "seen_at": now}
+    for key, peer in list(seen.items()):
+        if (peer["peer_id"], peer["stage"]) not in current:
+            if now - peer["seen_at"] > GONE_AFTER:
+                del seen[key]
+            else:
+                gone = {k: v for k, v in peer.items() if k != "seen_at"}
+                gone.update(status="gone", last_seen=round(now - peer["seen_at"] + peer["last_seen"], 1))
+                document["peers"].append(gone)
+    return document
+
+
+def show_once(args: argparse.Namespace, document: dict[str, Any], console: Console) -> int:
+    """Print the document (JSON or tables); the exit code it deserves."""
+    if args.peer is not None:
+        matches = find_peer(document, args.peer)
+        if len(matches) != 1:
+            names = ", ".join(p["short_id"] for p in matches[:10])
+            message = f"no peer matches {args.peer!r}" if not matches else f"{args.peer!r} matches {names}"
+            print(f"peer-status: {message}; give more of the peer id", file=sys.stderr)
+            return DEGRADED
+        if args.json:
+            print(json.dumps(matches[0]), flush=True)
+        else:
+            console.print(peer_table(matches[0]))
+        return 0
+    if args.json:
+        print(json.dumps(document), flush=True)
+    else:
+        console.print(render(args, document))
+    return exit_code(document)
+
+
+def render(args: argparse.Namespace, document: dict[str, Any]) -> Group:
+    if args.peer is not None:
+        matches = find_peer(document, args.peer)
+        return Group(peer_table(matches[0]) if len(matches) == 1 else Text(f"no single peer matches {args.peer!r}"))
+    swarm, health, training = document["swarm"], document["health"], document["training"]
+    model = swarm["model"]
+    header = Text.assemble(
+        ("swarm ", "bold"),
+        (swarm["name"], "bold cyan"),
+        f" (id {swarm['swarm_id']})  ",
+        f"model {model['parameters'] / 1e6:.1f}M parameters ({model['depth']} layers, width {model['width']}), ",
+        f"{swarm['stages']} stages, {swarm['peers_online']} peers online\n",
+        f"manifest {swarm['manifest']}\n",
+    )
+    if health["healthy"]:
+        verdict = Text("healthy: every stage is served", style="bold green")
+    else:
+        stages = ", ".join(map(str, health["unserved_stages"]))
+        verdict = Text(f"degraded: no online peer serves stage {stages}", style="bold red")
+    efficiency = health["balance_efficiency"]
+    verdict.append(
+        f"  bottleneck: stage {health['bottleneck_stage']} ({health['bottleneck_throughput']:.1f} samples/s)"
+        + (f", balance efficiency {efficiency:.0%}" if efficiency is not None else ""),
+        style="default",
+    )
+    loss = "-" if training["loss"] is None else f"{training['loss']:.3f}"
+    progress = Text(
+        f"training: {training['trainers']} trainers, {training['samples_per_second']:.1f} samples/s "
+        f"({training['tokens_per_second']:.0f} tokens/s), recent loss {loss}, "
+        f"{_count(training['tokens_trained'])} tokens trained so far"
+    )
+    return Group(header, verdict, stage_table(document), peers_table(document), progress)
+
+
+def stage_table(document: dict[str, Any]) -> Table:
+    table = Table(title="stages", title_justify="left")
+    for column in ("stage", "layers", "online peers", "throughput", "delivered", "samples served", "rounds"):
+        table.add_column(column, justify="left" if column in ("stage", "layers") else "right")
+    for row in document["stages"]:
+        start, end = row["layers"]
+        online = str(row["online_peers"]) + (f" (+{row['joining_peers']} joining)" if row["joining_peers"] else "")
+        style = "red" if row["online_peers"] == 0 else None
+        table.add_row(
+            str(row["stage"]),
+            f"{start}..{end - 1}",
+            online,
+            f"{row['throughput']:.1f}/s",
+            f"{row['delivered_throughput']:.1f}/s",
+            _count(row["samples_served"]),
+            str(row["averaging_rounds"]),
+            style=style,
+        )
+    return table
+
+
+def peers_table(document: dict[str, Any]) -> Table:
+    table = Table(title="peers", title_justify="left")
+    columns = ("peer", "name", "stage", "state", "speed", "delivered", "served", "queue", "uptime", "seen")
+    for column in (*columns, "device", "version", "relay"):
+        table.add_column(column, justify="right" if column in ("speed", "delivered", "served", "queue") else "left")
+    for p in document["peers"]:
+        table.add_row(
+            p["short_id"],
+            p["public_name"] or "-",
+            str(p["stage"]),
+            Text(p["status"], style=STATUS_STYLES.get(p["status"], "default")),
+            f"{p['throughput']:.1f}/s",
+            f"{p['delivered_throughput']:.1f}/s",
+            _count(p["samples_served"]),
+            str(p["outstanding"]),
+            _duration(p["uptime"]),
+            f"{_duration(p['last_seen'])} ago",
+            p["device"],
+            p["version"],
+            "yes" if p["relay"] else "no",
+        )
+    return table
+
+
+def peer_table(peer: dict[str, Any]) -> Table:
+    table = Table("field", "value", title=f"peer {peer['peer_id']}", title_justify="left")
+    for key, value in peer.items():
+        table.add_row(key, Text(str(value), style=STATUS_STYLES.get(value, "default") if key == "status" else ""))
+    return table
+
+
+def _count(n: int) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

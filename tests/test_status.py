@@ -1,0 +1,261 @@
+"""peer-status: the pure summary of a swarm's records, and the program against a live local swarm."""
+
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from conftest import ROOT, tiny_manifest_dict
+from peers.status import main as status_main
+from swarm.health import DEGRADED, HEALTHY, exit_code, find_peer, peer_status, swarm_health
+from swarm.manifest import load_manifest, manifest_from_dict
+from swarm.records import Announcement, TrainerReport, announcement_lifetime
+
+NOW = 10_000.0
+MANIFEST = manifest_from_dict(tiny_manifest_dict())  # 2 stages, announce period 1 s, averaging every 2048
+
+
+def announcement(peer_id: str, stage: int, age: float = 0.5, state: str = "online", **fields) -> Announcement:
+    expiration = NOW - age + announcement_lifetime(MANIFEST.network.announce_period)
+    fields = {"throughput": 10.0, **fields}
+    return Announcement(peer_id=peer_id, stage=stage, state=state, expiration=expiration, **fields)
+
+
+def report(peer_id: str, loss: float, speed: float, samples: int = 100) -> TrainerReport:
+    return TrainerReport(peer_id=peer_id, loss=loss, samples_per_second=speed, samples=samples, expiration=NOW + 2)
+
+
+# ------------------------------------------------------------------------------------- pure summary
+
+
+def test_peer_status_online_stale_offline():
+    period = MANIFEST.network.announce_period
+    assert peer_status(announcement("a", 0, age=0.5), NOW, period) == ("online", 0.5)
+    assert peer_status(announcement("a", 0, age=0.5, state="joining"), NOW, period)[0] == "joining"
+    assert peer_status(announcement("a", 0, age=2.5), NOW, period)[0] == "stale"
+    assert peer_status(announcement("a", 0, state="offline"), NOW, period)[0] == "offline"
+
+
+def test_healthy_swarm_summary():
+    stages = [
+        [announcement("peer-a", 0, throughput=30.0, samples_served=500, averaging_round=2, round_samples=100)],
+        [
+            announcement("peer-b", 1, throughput=10.0, averaging_round=2, round_samples=60, public_name="bob"),
+            announcement("peer-c", 1, throughput=15.0, averaging_round=2, round_samples=40, relay=True),
+        ],
+    ]
+    reports = [report("peer-a", 2.0, 30.0), report("peer-b", 3.0, 10.0), report("peer-c", float("nan"), 0.0)]
+    doc = swarm_health(MANIFEST, stages, reports, NOW, manifest_source="m.json")
+    assert exit_code(doc) == HEALTHY and doc["health"]["unserved_stages"] == []
+    assert doc["swarm"]["peers_online"] == 3 and doc["swarm"]["manifest"] == "m.json"
+    assert doc["health"]["bottleneck_stage"] == 1 and doc["health"]["bottleneck_throughput"] == 25.0
+    assert doc["health"]["balance_efficiency"] == 1.0  # 30 vs 25 is the best these three can do
+    assert [row["online_peers"] for row in doc["stages"]] == [1, 2]
+    assert doc["stages"][0]["samples_served"] == 500 and doc["stages"][1]["averaging_rounds"] == 2
+    assert [p["relay"] for p in doc["peers"] if p["peer_id"] == "peer-c"] == [True]
+    training = doc["training"]
+    assert training["trainers"] == 3 and training["samples_per_second"] == 40.0
+    assert training["loss"] == pytest.approx(2.25)  # weighted by speed; NaN (no microbatch yet) left out
+    # 2 rounds of 2048 samples, plus what the stage's peers did in the current round
+    assert training["samples_trained"] == 2 * 2048 + 100
+    assert training["tokens_trained"] == training["samples_trained"] * MANIFEST.model.context_length
+    json.dumps(doc)  # the --json document
+
+
+def test_degraded_when_a_stage_has_no_online_peer():
+    stages = [
+        [announcement("peer-a", 0, age=2.5)],  # stale: it has missed announcements
+        [announcement("peer-b", 1), announcement("peer-c", 1, state="joining")],
+    ]
+    doc = swarm_health(MANIFEST, stages, [], NOW)
+    assert exit_code(doc) == DEGRADED and doc["health"]["unserved_stages"] == [0]
+    assert doc["health"]["bottleneck_stage"] == 0
+    assert {p["peer_id"]: p["status"] for p in doc["peers"]} == {
+        "peer-a": "stale",
+        "peer-b": "online",
+        "peer-c": "joining",
+    }
+    assert doc["training"]["loss"] is None and doc["training"]["trainers"] == 0
+
+
+def test_inefficient_assignment_is_reported():
+    stages = [
+        [announcement("a", 0, throughput=10.0), announcement("b", 0, throughput=10.0)],
+        [announcement("c", 1, throughput=1.0)],
+    ]
+    doc = swarm_health(MANIFEST, stages, [], NOW)
+    assert doc["health"]["balance_efficiency"] == pytest.approx(1 / 10)  # best: {a, c} and {b} gives 10
+
+
+def test_too_few_peers_for_an_efficiency():
+    doc = swarm_health(MANIFEST, [[announcement("a", 0)], []], [], NOW)
+    assert doc["health"]["balance_efficiency"] is None
+
+
+def test_find_peer_by_part_of_id_or_name():
+    stages = [[announcement("12D3KooWAAAAbbbb", 0, public_name="alice")], [announcement("12D3KooWCCCCdddd", 1)]]
+    doc = swarm_health(MANIFEST, stages, [], NOW)
+    assert [p["stage"] for p in find_peer(doc, "bbbb")] == [0]
+    assert [p["stage"] for p in find_peer(doc, "alice")] == [0]
+    assert len(find_peer(doc, "12D3KooW")) == 2  # ambiguous: the program asks for more of the id
+    assert find_peer(doc, "zz") == []  # too short to be a part of an id, and nobody's name
+
+
+# ------------------------------------------------------------------------------ the program, live
+
+
+def peer_status_run(*flags: str, timeout: float = 60) -> tuple[int, str, str, float]:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "peers.status", *flags], capture_output=True, text=True, cwd=ROOT, timeout=timeout
+    )
+    return result.returncode, result.stdout, result.stderr, time.monotonic() - started
+
+
+def status_json(*flags: str) -> tuple[int, dict]:
+    code, out, err, _ = peer_status_run(*flags, "--json")
+    assert code != 2 and out.strip(), err
+    return code, json.loads(out)
+
+
+def wait_for_document(join: str, accept, timeout: float = 90.0) -> tuple[int, dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        code, doc = status_json("--join", join)
+        if accept(code, doc) or time.monotonic() > deadline:
+            return code, doc
+        time.sleep(1)
+
+
+@pytest.fixture
+def http_folder(tmp_path):
+    """Serve tmp_path over HTTP on loopback."""
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *args: None
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.mark.integration
+def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder):
+    path = write_manifest(tiny_manifest_dict(), "swarm.json")
+    alice = start_peer(path, "--new-swarm", "--stage", "1", "--public-name", "alice")
+    alice.wait_for("wrote .*swarm.json")
+    manifest = load_manifest(path)
+    assert alice.maddr() in manifest.initial_peers  # --new-swarm wrote its address into the manifest
+    alice.wait_for("serving stage 1")
+
+    # alone on stage 1: stage 0 is not served
+    code, doc = wait_for_document(str(path), lambda code, doc: len(doc["peers"]) == 1)
+    assert code == DEGRADED and doc["health"]["unserved_stages"] == [0], doc
+    assert doc["swarm"]["swarm_id"] == manifest.swarm_id and doc["peers"][0]["public_name"] == "alice"
+
+    # through the initial peer that --new-swarm wrote; one trainer (alice's) is enough and spares the CPU
+    bob = start_peer(path, "--public-name", "bob", "--no-trainer")
+    bob.wait_for("serving stage 0")
+    code, doc = wait_for_document(
+        str(path),
+        lambda code, doc: code == HEALTHY and doc["training"]["loss"] is not None and doc["training"]["trainers"] == 1,
+    )
+    assert code == HEALTHY, doc
+    names = {p["public_name"]: p for p in doc["peers"]}
+    assert set(names) == {"alice", "bob"} and all(p["status"] == "online" for p in names.values())
+    assert names["alice"]["stage"] == 1 and names["bob"]["stage"] == 0
+    assert names["alice"]["peer_id"] == alice.peer_id() and names["alice"]["relay"] is False
+    assert all(p["device"] == "cpu" and p["version"] and p["uptime"] > 0 for p in names.values())
+    assert doc["swarm"]["peers_online"] == 2 and doc["swarm"]["name"] == "test-swarm"
+    assert [row["online_peers"] for row in doc["stages"]] == [1, 1]
+    assert all(row["throughput"] > 0 for row in doc["stages"])
+    assert doc["health"]["balance_efficiency"] == 1.0
+    assert doc["training"]["samples_per_second"] > 0 and 0 < doc["training"]["loss"] < 10
+
+    # the rich tables
+    code, out, err, _ = peer_status_run("--join", str(path))
+    assert code == HEALTHY, err
+    for text in ("test-swarm", manifest.swarm_id, "healthy", "alice", "bob", alice.peer_id()[-8:], "training:"):
+        assert text in out, (text, out)
+
+    # one peer in detail
+    code, out, err, _ = peer_status_run("--join", str(path), "--peer", "alice", "--json")
+    assert code == 0 and json.loads(out)["peer_id"] == alice.peer_id(), err
+    code, out, err, _ = peer_status_run("--join", str(path), "--peer", "nobody")
+    assert code == DEGRADED and "no peer matches" in err
+
+    # joined through a peer's multiaddr, and through an HTTP URL that names the swarm id
+    for join in (bob.maddr(), f"{http_folder}/swarm.json#{manifest.swarm_id}"):
+        code, doc = status_json("--join", join)
+        assert code == HEALTHY and doc["swarm"]["swarm_id"] == manifest.swarm_id, join
+        assert {p["public_name"] for p in doc["peers"]} == {"alice", "bob"}
+
+    # --watch: bob dies; he shows as stale or gone, and the swarm as degraded
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "peers.status", "--join", str(path), "--watch", "1", "--json"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        first = json.loads(watch.stdout.readline())
+        assert first["health"]["healthy"]
+        bob.kill()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            doc = json.loads(watch.stdout.readline())
+            bob_now = [p for p in doc["peers"] if p["public_name"] == "bob"]
+            if bob_now and bob_now[0]["status"] == "gone":
+                break
+        assert bob_now and bob_now[0]["status"] == "gone", doc["peers"]
+        assert not doc["health"]["healthy"] and doc["health"]["unserved_stages"] == [0]
+    finally:
+        watch.send_signal(signal.SIGINT)
+        try:
+            watch.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            watch.kill()
+            watch.wait()
+
+
+def test_unreachable_swarm_exits_2_quickly(write_manifest, capsys):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEKYnHv3sXsjiyHYCaWwTAudbWmyGtnL2RZJUbA9FnEdV"
+    for raw, message in (
+        (tiny_manifest_dict(initial_peers=[dead]), "no initial peer could be reached"),
+        (tiny_manifest_dict(), "lists no initial peers"),
+    ):
+        started = time.monotonic()
+        assert status_main(["--join", str(write_manifest(raw))]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("peer-status: error:") and message in err, err
+        assert time.monotonic() - started < 30
+
+
+def test_bad_join_arguments_exit_2(tmp_path, capsys):
+    for join in ("http://127.0.0.1:9/swarm.json", str(tmp_path / "missing.json"), str(ROOT / "README.md")):
+        started = time.monotonic()
+        assert status_main(["--join", join]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("peer-status: error:") and "Traceback" not in err, err
+        assert time.monotonic() - started < 30
+    with pytest.raises(SystemExit) as exit_info:
+        status_main(["--join", "x.json", "--watch", "0"])
+    assert exit_info.value.code == 2 and "--watch" in capsys.readouterr().err  # argparse's usage error
+
+
+def test_help_has_examples(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        status_main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "examples:" in out and "exit codes" in out
