@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from peers import runtime
+from peers import reachability, runtime
 from peers.metrics import start_metrics_server
+from peers.reachability import ReachabilityService, ReverseConnector, check_reachability
 from peers.rebalancer import Rebalancer, ServingOptions
 from peers.server import StageServer
 from peers.trainer import Trainer
@@ -24,10 +25,12 @@ from swarm.data import TextData
 from swarm.errors import SwarmError
 from swarm.manifest import Manifest, write_manifest
 from swarm.model import count_parameters
-from swarm.records import MAX_THROUGHPUT
+from swarm.records import MAX_ADDRESSES, MAX_THROUGHPUT
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
 
 logger = logging.getLogger("swarm-peer")
+
+CONNECT_PERIOD = 5.0  # seconds between a peer's looks for peers to connect to, when others cannot dial it
 
 EXAMPLES = """\
 examples:
@@ -85,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="MADDR",
         help="multiaddrs to listen on (default: all interfaces, /ip4/0.0.0.0/tcp/0)",
+    )
+    parser.add_argument(
+        "--no-listen",
+        action="store_true",
+        help="accept no incoming connections: others cannot dial this peer, so it opens connections to them "
+        "(the stages' peers and the trainers) and serves over those (a peer behind NAT does this by itself)",
     )
     parser.add_argument(
         "--announce-maddrs",
@@ -179,6 +188,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--new-swarm writes this peer's addresses into the manifest: --join must be a manifest file, "
             "or pass --write-manifest PATH"
         )
+    if args.no_listen and (args.new_swarm or args.write_manifest):
+        parser.error(
+            "--no-listen: nobody could join through this peer, so it cannot start a swarm or be written into a manifest"
+        )
     if len(args.public_name) > 64 or not args.public_name.isprintable():
         parser.error("--public-name must be at most 64 printable characters")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -202,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         initial_peers = [] if args.new_swarm else runtime.bootstrap_peers(args.join, manifest)
         if not initial_peers and not args.new_swarm:
             print("the manifest lists no initial peers: starting a new swarm", flush=True)
-        dht = runtime.start_dht(initial_peers, host_maddrs, args.announce_maddrs)
+        args.reachable = decide_reachability(args, initial_peers, host_maddrs)
+        dht = runtime.start_dht(
+            initial_peers, host_maddrs, args.announce_maddrs, client_mode=not args.reachable, no_listen=args.no_listen
+        )
         device = runtime.resolve_device(args.device)
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -218,6 +234,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         dht.shutdown()
+
+
+def decide_reachability(args: argparse.Namespace, initial_peers: list[str], host_maddrs: list[str]) -> bool:
+    """Whether other peers can dial this one: ask a few of them to dial it back (before the DHT starts)."""
+    if args.no_listen:
+        print("--no-listen: others cannot dial this peer; it opens connections to them instead", flush=True)
+        return False
+    verdict = asyncio.run(check_reachability(initial_peers, host_maddrs, args.announce_maddrs))
+    if verdict.reachable is False:
+        print(
+            f"this peer is NOT reachable from other peers: {verdict.detail}. It takes part anyway: it opens "
+            "connections to the peers that call it, and announces that it does. To be reachable, open or forward "
+            "a port (--host-maddrs /ip4/0.0.0.0/tcp/PORT) and announce your public address (--announce-maddrs)",
+            flush=True,
+        )
+        return False
+    if verdict.reachable is None:
+        print(f"reachability not checked ({verdict.detail}); assuming other peers can dial this one", flush=True)
+    else:
+        print(f"reachable: {verdict.detail}", flush=True)
+    return True
 
 
 def check_stage_flag(args: argparse.Namespace, manifest: Manifest) -> None:
@@ -248,9 +285,13 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
         check_stage_flag(args, manifest)
     peer_id = str(dht.peer_id)
     print(f"swarm {manifest.name!r} (id {manifest.swarm_id}), peer {peer_id}", flush=True)
-    print("reachable at:", flush=True)
-    for addr in runtime.visible_maddrs(dht):
-        print(f"  {addr}", flush=True)
+    service = ReachabilityService()  # answers other peers' "can you dial me?"
+    await service.add_p2p_handlers(p2p, namespace=reachability.NAMESPACE)
+    maddrs = [] if args.no_listen else runtime.visible_maddrs(dht)  # hivemind logs an error for a non-listener
+    if args.reachable:
+        print("reachable at:", flush=True)
+        for addr in maddrs:
+            print(f"  {addr}", flush=True)
     if args.new_swarm or args.write_manifest:
         publish_addresses(args, manifest, runtime.visible_maddrs(dht))
 
@@ -265,6 +306,8 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
         public_name=args.public_name,
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else default_checkpoint_dir(manifest),
         checkpoint_every=args.checkpoint_every,
+        reachable=args.reachable,
+        maddrs=tuple(maddrs[:MAX_ADDRESSES]) if args.reachable else (),  # nobody can dial an unreachable peer
     )
 
     def on_switch(server: StageServer) -> None:
@@ -280,7 +323,11 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
 
     rebalancer = Rebalancer(manifest, dht, p2p, peer_id, device, options, on_switch=on_switch)
     metrics = None
+    connector_task: asyncio.Task | None = None
     try:
+        if not args.reachable:  # from the start: peers it downloads state from or measures against may call back
+            connector = ReverseConnector(p2p, rebalancer.view, manifest.swarm_id, peer_id, CONNECT_PERIOD)
+            connector_task = asyncio.create_task(connector.run(stop))
         if args.metrics_port is not None:  # before the join (it may take minutes): scrapes show the peer "joining"
             metrics = start_metrics_server(args.metrics_host, args.metrics_port, rebalancer, lambda: trainer)
             print(f"metrics at {metrics.url}", flush=True)
@@ -320,10 +367,13 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
         stop.set()
         if balance_task is not None:
             balance_task.cancel()  # a move in progress (a state download) must not delay the exit
-        for task in (trainer_task, balance_task):
+        if connector_task is not None:
+            connector_task.cancel()
+        for task in (trainer_task, balance_task, connector_task):
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)
         await rebalancer.shutdown()
+        await service.shutdown()
         try:
             await asyncio.wait_for(p2p.shutdown(), timeout=5)
         except Exception as e:

@@ -66,6 +66,8 @@ class ServingOptions:
     public_name: str = ""
     checkpoint_dir: Path | None = None  # --checkpoint-dir; None: no checkpoints
     checkpoint_every: float = 300.0  # --checkpoint-every (seconds; 0: only on a clean exit)
+    reachable: bool = True  # others can dial this peer (peers/reachability.py)
+    maddrs: tuple[str, ...] = ()  # its addresses, announced
 
 
 def _progress(counters: dict[str, int]) -> tuple[int, int]:
@@ -156,6 +158,8 @@ class Rebalancer:
             traffic=self.traffic,
             checkpoint_dir=self.options.checkpoint_dir,
             checkpoint_every=self.options.checkpoint_every,
+            reachable=self.options.reachable,
+            maddrs=self.options.maddrs,
         )
 
     # ------------------------------------------------------------------------------------ measurement

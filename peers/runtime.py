@@ -87,6 +87,7 @@ def start_dht(
     announce_maddrs: list[str] | None = None,
     client_mode: bool = False,
     startup_timeout: float = 20.0,
+    no_listen: bool = False,
 ) -> DHT:
     """Start a hivemind DHT node (its own process and p2pd daemon), turning failures into PeerStartError."""
     for addrs, flag in ((host_maddrs, "--host-maddrs"), (announce_maddrs or [], "--announce-maddrs")):
@@ -101,8 +102,9 @@ def start_dht(
             start=True,
             host_maddrs=host_maddrs,
             announce_maddrs=announce_maddrs or None,
-            client_mode=client_mode,
+            client_mode=client_mode or no_listen,  # nobody could reach its DHT requests' handlers
             startup_timeout=startup_timeout,
+            **({"no_listen": True} if no_listen else {}),
         )
     except Exception as e:
         remove_stale_sockets(daemon_sockets() - sockets_before)
@@ -146,7 +148,10 @@ def validate_multiaddrs_without_peer(values: list[str]) -> None:
 
 def visible_maddrs(dht: DHT) -> list[str]:
     """Multiaddrs other peers can dial, loopback and wildcard addresses last."""
-    addrs = [str(a) for a in dht.get_visible_maddrs()]
+    try:
+        addrs = [str(a) for a in dht.get_visible_maddrs()]
+    except ValueError:  # hivemind raises this for a node that does not listen (--no-listen)
+        return []
     return sorted(addrs, key=lambda a: ("/127.0.0.1/" in a or "/::1/" in a, a))
 
 

@@ -131,8 +131,11 @@ class StageServer(ServicerBase):
         traffic: Traffic | None = None,
         checkpoint_dir: Path | None = None,
         checkpoint_every: float = 0.0,
+        reachable: bool = True,
+        maddrs: tuple[str, ...] = (),
     ):
         self.manifest = manifest
+        self.reachable, self.maddrs = reachable, maddrs  # announced: an undialable peer dials others instead
         self.stage = stage
         self.model = model.to(device)
         self.device = device
@@ -287,6 +290,8 @@ class StageServer(ServicerBase):
             activation_bytes_received=self.traffic.activation_received,
             averaging_bytes_sent=self.traffic.averaging_sent,
             averaging_bytes_received=self.traffic.averaging_received,
+            reachable=self.reachable,
+            maddrs=self.maddrs,
         )
 
     async def announce(self) -> None:

@@ -169,7 +169,8 @@ def render(args: argparse.Namespace, document: dict[str, Any]) -> Group:
         (swarm["name"], "bold cyan"),
         f" (id {swarm['swarm_id']})  ",
         f"model {model['parameters'] / 1e6:.1f}M parameters ({model['depth']} layers, width {model['width']}), ",
-        f"{swarm['stages']} stages, {swarm['peers_online']} peers online\n",
+        f"{swarm['stages']} stages, {swarm['peers_online']} peers online",
+        f" ({swarm['peers_unreachable']} not reachable: they dial out)\n" if swarm["peers_unreachable"] else "\n",
         f"manifest {swarm['manifest']}\n",
     )
     if health["healthy"]:
@@ -216,7 +217,7 @@ def stage_table(document: dict[str, Any]) -> Table:
 def peers_table(document: dict[str, Any]) -> Table:
     table = Table(title="peers", title_justify="left")
     columns = ("peer", "name", "stage", "state", "speed", "delivered", "served", "queue", "uptime", "seen")
-    for column in (*columns, "device", "version", "relay"):
+    for column in (*columns, "device", "version", "reachable"):
         table.add_column(column, justify="right" if column in ("speed", "delivered", "served", "queue") else "left")
     for p in document["peers"]:
         table.add_row(
@@ -232,7 +233,7 @@ def peers_table(document: dict[str, Any]) -> Table:
             f"{_duration(p['last_seen'])} ago",
             p["device"],
             p["version"],
-            "yes" if p["relay"] else "no",
+            "yes" if p["reachable"] else "no (dials out)",
         )
     return table
 

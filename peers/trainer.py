@@ -31,7 +31,7 @@ from swarm import protocol
 from swarm.data import sample_batch
 from swarm.errors import MicrobatchFailedError, RemoteStageError
 from swarm.manifest import Manifest
-from swarm.records import SwarmView, TrainerReport, announcement_lifetime, store_trainer_report
+from swarm.records import MAX_ADDRESSES, SwarmView, TrainerReport, announcement_lifetime, store_trainer_report
 from swarm.routing import Router, online_peers
 
 logger = logging.getLogger(__name__)
@@ -310,6 +310,10 @@ class Trainer:
 
     async def _report_forever(self) -> None:
         period = self.manifest.network.announce_period
+        try:  # announced so that stage peers that others cannot dial can dial this trainer (peers/reachability.py)
+            maddrs = tuple(str(a) for a in await self.p2p.get_visible_maddrs())[:MAX_ADDRESSES]
+        except ValueError:  # a node that does not listen has no address
+            maddrs = ()
         while True:
             await asyncio.sleep(period)
             loss, speed = self.recent_stats()
@@ -319,6 +323,7 @@ class Trainer:
                 samples_per_second=speed,
                 samples=self.samples,
                 failed_microbatches=self.failed_microbatches,
+                maddrs=maddrs,
             )
             try:
                 await store_trainer_report(self.dht, self.manifest.swarm_id, report, announcement_lifetime(period))

@@ -133,6 +133,7 @@ def swarm_health(
             "model": {**asdict(manifest.model), "parameters": sum(count_stage_parameters(manifest))},
             "stages": manifest.num_stages,
             "peers_online": len({p["peer_id"] for p in live}),
+            "peers_unreachable": len({p["peer_id"] for p in live if not p["reachable"]}),  # they dial out instead
             "averaging": manifest.averaging.mode,
         },
         "health": {

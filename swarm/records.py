@@ -20,7 +20,8 @@ from swarm import PROTOCOL_VERSION, __version__
 logger = logging.getLogger(__name__)
 
 STATES = ("joining", "online", "offline")
-MAX_TEXT = 128
+MAX_TEXT = 256
+MAX_ADDRESSES = 8
 MAX_COUNT = 2**53
 MAX_THROUGHPUT = 1e6  # samples per second; far above any real device for the models this runs
 MAX_LIFETIME = 3600.0  # records that claim to live longer than this are dropped on read
@@ -67,7 +68,8 @@ class Announcement:
     activation_bytes_received: int = 0
     averaging_bytes_sent: int = 0  # payload of averaging rounds
     averaging_bytes_received: int = 0
-    relay: bool = False  # others reach this peer only through a relay (it is behind a NAT or firewall)
+    reachable: bool = True  # False: others cannot dial it (NAT, firewall); it dials them (peers/reachability.py)
+    maddrs: tuple[str, ...] = ()  # where to dial it; an unreachable peer dials these of the others
     version: str = __version__
     protocol_version: int = PROTOCOL_VERSION
     expiration: float = 0.0  # filled in when read from the DHT
@@ -87,6 +89,7 @@ class TrainerReport:
     samples_per_second: float
     samples: int
     failed_microbatches: int = 0
+    maddrs: tuple[str, ...] = ()  # where to dial it (stage peers that others cannot dial open connections here)
     expiration: float = 0.0
 
     def to_record(self) -> dict[str, Any]:
@@ -122,7 +125,8 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
             activation_bytes_received=_count(record["activation_bytes_received"]),
             averaging_bytes_sent=_count(record["averaging_bytes_sent"]),
             averaging_bytes_received=_count(record["averaging_bytes_received"]),
-            relay=_flag(record.get("relay", False)),  # optional: added to protocol 3 later
+            reachable=_flag(record.get("reachable", True)),  # optional: added to protocol 3 later
+            maddrs=_addresses(record.get("maddrs", [])),
             version=_text(record["version"]),
             expiration=float(expiration),
         )
@@ -147,6 +151,7 @@ def parse_trainer_report(subkey: Any, record: Any, expiration: float) -> Trainer
             samples_per_second=_rate(record["samples_per_second"]),
             samples=_count(record["samples"]),
             failed_microbatches=_count(record["failed_microbatches"]),
+            maddrs=_addresses(record.get("maddrs", [])),
             expiration=float(expiration),
         )
     except (KeyError, ValueError):
@@ -158,6 +163,13 @@ def _text(value: Any) -> str:
     if not isinstance(value, str) or len(value) > MAX_TEXT:
         raise ValueError("not a short string")
     return value
+
+
+def _addresses(value: Any) -> tuple[str, ...]:
+    """A few short strings; whether they are multiaddrs is checked where they are dialed."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_ADDRESSES:
+        raise ValueError("not a list of addresses")
+    return tuple(_text(item) for item in value)
 
 
 def _count(value: Any) -> int:

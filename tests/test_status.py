@@ -49,7 +49,7 @@ def test_healthy_swarm_summary():
         [announcement("peer-a", 0, throughput=30.0, samples_served=500, averaging_round=2, round_samples=100)],
         [
             announcement("peer-b", 1, throughput=10.0, averaging_round=2, round_samples=60, public_name="bob"),
-            announcement("peer-c", 1, throughput=15.0, averaging_round=2, round_samples=40, relay=True),
+            announcement("peer-c", 1, throughput=15.0, averaging_round=2, round_samples=40, reachable=False),
         ],
     ]
     reports = [report("peer-a", 2.0, 30.0), report("peer-b", 3.0, 10.0), report("peer-c", float("nan"), 0.0)]
@@ -60,7 +60,7 @@ def test_healthy_swarm_summary():
     assert doc["health"]["balance_efficiency"] == 1.0  # 30 vs 25 is the best these three can do
     assert [row["online_peers"] for row in doc["stages"]] == [1, 2]
     assert doc["stages"][0]["samples_served"] == 500 and doc["stages"][1]["averaging_rounds"] == 2
-    assert [p["relay"] for p in doc["peers"] if p["peer_id"] == "peer-c"] == [True]
+    assert [p["reachable"] for p in doc["peers"] if p["peer_id"] == "peer-c"] == [False]
     training = doc["training"]
     assert training["trainers"] == 3 and training["samples_per_second"] == 40.0
     assert training["loss"] == pytest.approx(2.25)  # weighted by speed; NaN (no microbatch yet) left out
@@ -173,7 +173,7 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder):
     names = {p["public_name"]: p for p in doc["peers"]}
     assert set(names) == {"alice", "bob"} and all(p["status"] == "online" for p in names.values())
     assert names["alice"]["stage"] == 1 and names["bob"]["stage"] == 0
-    assert names["alice"]["peer_id"] == alice.peer_id() and names["alice"]["relay"] is False
+    assert names["alice"]["peer_id"] == alice.peer_id() and names["alice"]["reachable"] is True
     assert all(p["device"] == "cpu" and p["version"] and p["uptime"] > 0 for p in names.values())
     assert doc["swarm"]["peers_online"] == 2 and doc["swarm"]["name"] == "test-swarm"
     assert [row["online_peers"] for row in doc["stages"]] == [1, 1]

@@ -1,0 +1,215 @@
+"""Can other peers dial this one? The dial-back check on start, and reverse connections for peers they cannot.
+
+The check: before its DHT starts, a peer starts a short-lived libp2p node with the same listen and announce
+addresses, and asks a few known peers to dial that node back. Each of them dials from a separate "probe"
+daemon that has no connection to the asker and no relays, so a success means a fresh direct connection works
+(dialing from the helper's own daemon would just reuse the asker's connection and always succeed).
+
+A peer that cannot be dialed (behind a NAT or firewall, or started with --no-listen) runs its DHT in client
+mode, announces `reachable: false`, and opens a connection itself to every peer that may call it (the
+stages' peers and the trainers, from their records); calls to it then ride on those connections. Why not
+hivemind's relays: libp2p circuit relays (v2, as in hivemind 1.1.12's p2pd) cut every relayed connection after
+128 KiB, far less than one microbatch's activations (docs/ARCHITECTURE.md, "Peers behind NAT").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from dataclasses import dataclass
+
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+from multiaddr import Multiaddr
+
+from swarm.protocol import MSGPackSerializer
+from swarm.records import SwarmView, fetch_trainer_reports
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "swarm.reachability"
+MAX_CLAIMED_ADDRS = 8  # a check dials at most this many of the addresses the asker claims
+MAX_ADDR_LENGTH = 256
+DIAL_TIMEOUT = 5.0
+CHECK_TIMEOUT = 15.0  # the asker's limit for one helper's answer
+MAX_HELPERS = 3
+# the probe dials out only: no listening, no relays, no NAT tricks, so its dials test exactly one thing
+PROBE_OPTIONS = dict(
+    no_listen=True, use_relay=False, use_auto_relay=False, auto_nat=False, nat_port_map=False, dht_mode="client"
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    reachable: bool | None  # None: nobody could be asked, or nobody answered
+    detail: str
+
+
+def direct_addresses(claimed: object, peer_id: str) -> list[Multiaddr]:
+    """The dialable addresses among those an asker claims: parsed, without relay circuits, at most 8."""
+    if not isinstance(claimed, list):
+        return []
+    result = []
+    for text in claimed[:MAX_CLAIMED_ADDRS]:
+        if not isinstance(text, str) or len(text) > MAX_ADDR_LENGTH or "p2p-circuit" in text:
+            continue
+        try:
+            addr = Multiaddr(text)
+            if "/p2p/" in text:
+                addr = addr.decapsulate(Multiaddr(f"/p2p/{peer_id}"))
+        except Exception:  # the multiaddr library raises several unrelated types
+            continue
+        result.append(addr)
+    return result
+
+
+def verdict_of(replies: list[dict]) -> Verdict:
+    """Reachable if most helpers that answered could dial it; unknown if none answered."""
+    answered = [r for r in replies if isinstance(r.get("reachable"), bool)]
+    if not answered:
+        reasons = "; ".join(str(r.get("error", ""))[:120] for r in replies) or "no other peer to ask"
+        return Verdict(None, f"nobody could check ({reasons})")
+    yes = sum(r["reachable"] for r in answered)
+    if 2 * yes > len(answered):
+        return Verdict(True, f"{yes} of {len(answered)} peers dialed it back")
+    errors = "; ".join(str(r.get("error", ""))[:120] for r in answered if not r["reachable"])
+    return Verdict(False, f"{len(answered) - yes} of {len(answered)} peers could not dial it back ({errors})")
+
+
+class ReachabilityService(ServicerBase):
+    """Every peer answers "can you dial me?" by dialing the asker (never a third party) from a probe daemon."""
+
+    def __init__(self) -> None:
+        self._probe: P2P | None = None
+        self._lock = asyncio.Lock()  # one dial at a time: a cheap bound on what askers can make us do
+        self.checks = 0
+
+    async def rpc_check(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        started = time.monotonic()
+        try:
+            claimed = MSGPackSerializer.loads(request.metadata).get("maddrs") if request.metadata else None
+        except Exception:
+            claimed = None
+        addrs = direct_addresses(claimed, context.remote_id.to_base58())
+        reachable, error = False, ""
+        if not addrs:
+            error = "no direct address to dial"
+        else:
+            async with self._lock:
+                self.checks += 1
+                try:
+                    if self._probe is None or not self._probe.is_alive:
+                        self._probe = await P2P.create(**PROBE_OPTIONS)
+                    # connect() authenticates the remote: it fails unless the caller itself answers there
+                    await asyncio.wait_for(self._probe._client.connect(context.remote_id, addrs), DIAL_TIMEOUT)
+                    reachable = True
+                except TimeoutError:
+                    error = f"dialing it timed out after {DIAL_TIMEOUT:g} s"
+                except Exception as e:
+                    error = f"{type(e).__name__}: {str(e)[:200]}"
+                finally:
+                    if self._probe is not None:
+                        try:  # the next check must dial afresh
+                            await self._probe._client.disconnect(context.remote_id)
+                        except Exception:
+                            pass
+        reply = {"reachable": reachable, "error": error, "seconds": round(time.monotonic() - started, 3)}
+        return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(reply))
+
+    async def shutdown(self) -> None:
+        if self._probe is not None:
+            await self._probe.shutdown()
+            self._probe = None
+
+
+async def _ask(p2p: P2P, helper: str, maddrs: list[str]) -> dict:
+    try:
+        stub = ReachabilityService.get_stub(p2p, PeerID.from_base58(helper), namespace=NAMESPACE)
+        request = runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps({"maddrs": maddrs}))
+        reply = await asyncio.wait_for(stub.rpc_check(request, timeout=CHECK_TIMEOUT), CHECK_TIMEOUT)
+        answer = MSGPackSerializer.loads(reply.metadata)
+        if not isinstance(answer, dict) or not isinstance(answer.get("reachable"), bool):
+            return {"reachable": None, "error": "a malformed answer"}
+        return answer
+    except Exception as e:  # the helper is gone, too slow, or does not know the check
+        return {"reachable": None, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+
+
+async def check_reachability(
+    bootstrap: list[str], host_maddrs: list[str], announce_maddrs: list[str] | None
+) -> Verdict:
+    """Ask up to 3 of the bootstrap peers to dial a short-lived node with this peer's network settings."""
+    helpers = list(dict.fromkeys(a.rsplit("/p2p/", 1)[1] for a in bootstrap if "/p2p/" in a))[:MAX_HELPERS]
+    if not helpers:
+        return Verdict(None, "no other peer to ask yet")
+    try:
+        node = await P2P.create(
+            initial_peers=bootstrap,
+            host_maddrs=host_maddrs,
+            announce_maddrs=announce_maddrs or None,
+            use_relay=False,
+            auto_nat=False,
+            startup_timeout=10,
+        )
+    except Exception as e:  # the bootstrap peers do not answer: starting the DHT will say so, clearly
+        return Verdict(None, f"could not reach the peers to ask ({type(e).__name__})")
+    try:
+        maddrs = [str(a) for a in await node.get_visible_maddrs()]
+        replies = await asyncio.gather(*[_ask(node, helper, maddrs) for helper in helpers])
+        return verdict_of(list(replies))
+    except Exception as e:
+        return Verdict(None, f"the check failed ({type(e).__name__}: {str(e)[:120]})")
+    finally:
+        await node.shutdown()
+        # hivemind's P2P.__del__ needs a running event loop: collect the node now, not after asyncio.run ends
+        del node
+        gc.collect()
+
+
+class ReverseConnector:
+    """Keeps a connection open from this (undialable) peer to every peer that may call it."""
+
+    def __init__(self, p2p: P2P, view: SwarmView, swarm_id: str, own_peer_id: str, period: float):
+        self.p2p, self.view, self.swarm_id, self.own_peer_id, self.period = p2p, view, swarm_id, own_peer_id, period
+        self.connected: set[str] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.connect_all()
+            except Exception as e:
+                logger.warning(f"opening connections to the swarm's peers failed: {e!r}")
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.period)
+            except TimeoutError:
+                pass
+
+    async def connect_all(self) -> None:
+        """Dial every peer that announces addresses and is not connected now."""
+        wanted: dict[str, tuple[str, ...]] = {}
+        for announcements in await self.view.all_stages():
+            for ann in announcements:
+                if ann.state != "offline" and ann.maddrs:
+                    wanted[ann.peer_id] = ann.maddrs
+        for report in await fetch_trainer_reports(self.view.dht, self.swarm_id):
+            if report.maddrs:
+                wanted.setdefault(report.peer_id, report.maddrs)
+        wanted.pop(self.own_peer_id, None)
+        now_connected = {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
+        missing = [peer for peer in wanted if peer not in now_connected]
+        results = await asyncio.gather(*[self._dial(peer, wanted[peer]) for peer in missing])
+        self.connected = (now_connected & set(wanted)) | {peer for peer, ok in zip(missing, results) if ok}
+
+    async def _dial(self, peer_id: str, maddrs: tuple[str, ...]) -> bool:
+        addrs = direct_addresses(list(maddrs), peer_id)
+        if not addrs:
+            return False
+        try:
+            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), addrs), DIAL_TIMEOUT)
+            logger.info(f"opened a connection to {peer_id} (others cannot dial this peer)")
+            return True
+        except Exception as e:
+            logger.debug(f"could not dial {peer_id}: {e!r}")
+            return False

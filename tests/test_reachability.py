@@ -1,0 +1,201 @@
+"""Peers that others cannot dial: the dial-back check, reverse connections, and a stage served by a non-listener."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from hivemind import DHT
+
+from conftest import LOOPBACK, ROOT, tiny_manifest_dict
+from peers.reachability import (
+    NAMESPACE,
+    ReachabilityService,
+    ReverseConnector,
+    check_reachability,
+    direct_addresses,
+    verdict_of,
+)
+from swarm.manifest import manifest_from_dict
+from swarm.records import Announcement, SwarmView, announcement_lifetime, store_announcement
+
+PEER = "12D3KooWEKYnHv3sXsjiyHYCaWwTAudbWmyGtnL2RZJUbA9FnEdV"
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------- pure parts
+
+
+def test_direct_addresses_keep_only_dialable_ones():
+    good = "/ip4/127.0.0.1/tcp/4000"
+    claimed = [
+        good,
+        f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}",  # its own id is dropped: the dial names the peer
+        f"/ip4/1.2.3.4/tcp/1/p2p/{PEER}/p2p-circuit/p2p/{PEER}",  # relays are not a direct path
+        "not a multiaddr",
+        42,
+        "/ip4/" + "9" * 300,
+    ]
+    assert [str(a) for a in direct_addresses(claimed, PEER)] == [good, "/ip4/127.0.0.1/tcp/4001"]
+    assert direct_addresses("/ip4/127.0.0.1/tcp/1", PEER) == []  # not a list
+    assert len(direct_addresses([good] * 100, PEER)) == 8  # an asker cannot make a helper dial without end
+
+
+def test_verdict_is_the_majority_of_those_that_answered():
+    yes, no, silent = {"reachable": True}, {"reachable": False, "error": "refused"}, {"reachable": None, "error": "x"}
+    assert verdict_of([yes, no, yes]).reachable is True
+    assert verdict_of([yes, no]).reachable is False  # a tie is not a majority
+    assert verdict_of([no, silent, silent]).reachable is False and "refused" in verdict_of([no]).detail
+    assert verdict_of([silent, silent]).reachable is None
+    assert verdict_of([]).reachable is None
+
+
+# ------------------------------------------------------------------------------- real hivemind, in-process
+
+
+@pytest.fixture
+def helper():
+    """A listening DHT node that answers reachability checks, from an event loop in a thread of its own."""
+    dht = DHT(start=True, host_maddrs=[LOOPBACK])
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    service = ReachabilityService()
+
+    async def register():
+        p2p = await dht.replicate_p2p()
+        await service.add_p2p_handlers(p2p, namespace=NAMESPACE)
+        return p2p
+
+    p2p = asyncio.run_coroutine_threadsafe(register(), loop).result(30)
+    try:
+        yield dht, [str(a) for a in dht.get_visible_maddrs()]
+    finally:
+        asyncio.run_coroutine_threadsafe(service.shutdown(), loop).result(30)  # its probe daemon
+        asyncio.run_coroutine_threadsafe(p2p.shutdown(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        dht.shutdown()
+
+
+def test_check_tells_a_listening_peer_from_one_that_cannot_be_dialed(helper):
+    _, bootstrap = helper
+    started = time.monotonic()
+    verdict = asyncio.run(check_reachability(bootstrap, [LOOPBACK], None))
+    assert verdict.reachable is True, verdict.detail
+    # it listens, but tells the world a port where nobody answers: as behind a NAT without port forwarding
+    verdict = asyncio.run(check_reachability(bootstrap, [LOOPBACK], [f"/ip4/127.0.0.1/tcp/{closed_port()}"]))
+    assert verdict.reachable is False and "could not dial it back" in verdict.detail, verdict.detail
+    assert time.monotonic() - started < 30
+    assert asyncio.run(check_reachability([], [LOOPBACK], None)).reachable is None  # nobody to ask
+
+
+def test_reverse_connector_lets_others_call_a_peer_that_does_not_listen(helper):
+    first, bootstrap = helper
+    manifest = manifest_from_dict(tiny_manifest_dict())
+    hidden = DHT(initial_peers=bootstrap, start=True, no_listen=True, client_mode=True)
+    caller = DHT(initial_peers=bootstrap, start=True, host_maddrs=[LOOPBACK])
+    try:
+        caller_maddrs = tuple(str(a) for a in caller.get_visible_maddrs())
+
+        async def scenario() -> tuple[bool, bool, set[str]]:
+            hidden_p2p, caller_p2p = await hidden.replicate_p2p(), await caller.replicate_p2p()
+            await ReachabilityService().add_p2p_handlers(hidden_p2p, namespace=NAMESPACE)
+            stub = ReachabilityService.get_stub(caller_p2p, hidden_p2p.peer_id, namespace=NAMESPACE)
+
+            async def can_call() -> bool:
+                try:
+                    await asyncio.wait_for(stub.rpc_check(_empty_request(), timeout=3), 3)
+                    return True
+                except Exception:
+                    return False
+
+            # the caller announces itself with its addresses, as every stage peer does
+            announcement = Announcement(
+                peer_id=caller_p2p.peer_id.to_base58(), stage=0, state="online", throughput=1.0, maddrs=caller_maddrs
+            )
+            await store_announcement(caller, manifest.swarm_id, announcement, announcement_lifetime(5))
+            await hidden_p2p._client.disconnect(caller_p2p.peer_id)  # hivemind's own DHT traffic may have dialed it
+            await asyncio.sleep(0.5)
+            before = await can_call()
+            view = SwarmView(hidden, manifest.swarm_id, manifest.num_stages, max_age=0.0)
+            connector = ReverseConnector(hidden_p2p, view, manifest.swarm_id, hidden_p2p.peer_id.to_base58(), 5.0)
+            await connector.connect_all()
+            result = before, await can_call(), connector.connected
+            await hidden_p2p.shutdown()
+            await caller_p2p.shutdown()
+            return result
+
+        before, after, connected = asyncio.run(scenario())
+        assert not before  # nobody can dial a node that does not listen
+        assert after and connected == {str(caller.peer_id)}
+    finally:
+        hidden.shutdown()
+        caller.shutdown()
+
+
+def _empty_request():
+    from hivemind.proto import runtime_pb2
+
+    return runtime_pb2.ExpertRequest()
+
+
+# ------------------------------------------------------------------------------------ real peer processes
+
+
+@pytest.mark.integration
+def test_a_peer_that_does_not_listen_serves_a_stage(start_peer, write_manifest):
+    path = write_manifest(tiny_manifest_dict(), "swarm.json")
+    first = start_peer(path, "--new-swarm", "--stage", "0", "--no-trainer", "--public-name", "first")
+    first.wait_for("serving stage 0")
+    hidden = start_peer(path, "--no-listen", "--stage", "1", "--no-trainer", "--public-name", "hidden")
+    hidden.wait_for("serving stage 1")
+    # the only peer of stage 1 does not listen: this trainer's microbatches can only pass through it
+    trainer = start_peer(path, "--stage", "0", "--public-name", "trainer")
+    assert trainer.wait_for(r"reachable: 1 of 1 peers dialed it back")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        lines = trainer.status_lines()
+        if lines and lines[-1].get("trainer_samples", 0) >= 64:
+            break
+        time.sleep(1)
+    assert lines and lines[-1]["trainer_samples"] >= 64, trainer.output()[-3000:]
+    assert hidden.status_lines()[-1]["samples_served"] > 0
+
+    # peer-status shows who cannot be dialed
+    result = subprocess.run(
+        [sys.executable, "-m", "peers.status", "--join", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    reachable = {p["public_name"]: p["reachable"] for p in document["peers"]}
+    assert reachable == {"first": True, "hidden": False, "trainer": True}
+    assert document["swarm"]["peers_unreachable"] == 1
+
+
+@pytest.mark.integration
+def test_a_peer_that_cannot_be_dialed_back_says_so(start_peer, write_manifest):
+    path = write_manifest(tiny_manifest_dict(), "swarm.json")
+    first = start_peer(path, "--new-swarm", "--stage", "0", "--no-trainer")
+    first.wait_for("serving stage 0")
+    behind_nat = start_peer(
+        path, "--stage", "1", "--no-trainer", "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{closed_port()}"
+    )
+    behind_nat.wait_for("NOT reachable from other peers")
+    behind_nat.wait_for("serving stage 1")
+    assert "reachable at:" not in behind_nat.output()
