@@ -107,6 +107,7 @@ async def run_demo(
     console.print(
         f"[bold]Swarm demo[/]: {args.peers} peers, {manifest.num_stages} stages, swarm id {manifest.swarm_id}"
     )
+    console.print(f"watch it from another terminal: peer-status --join {manifest_path} --watch 2", soft_wrap=True)
     heldout = TextData.load_heldout(manifest.data.source, manifest.data.heldout_fraction)
     batches = heldout_batches(heldout, EVAL_BATCHES, manifest.training.microbatch_size, manifest.model.context_length)
     initial_loss = evaluate_fresh_model(manifest, batches)
