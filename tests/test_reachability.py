@@ -22,7 +22,7 @@ from peers.reachability import (
     direct_addresses,
     verdict_of,
 )
-from swarm.manifest import manifest_from_dict
+from swarm.manifest import load_manifest, manifest_from_dict
 from swarm.records import Announcement, SwarmView, announcement_lifetime, store_announcement
 
 PEER = "12D3KooWEKYnHv3sXsjiyHYCaWwTAudbWmyGtnL2RZJUbA9FnEdV"
@@ -189,12 +189,15 @@ def test_a_peer_that_does_not_listen_serves_a_stage(start_peer, write_manifest):
 
 
 @pytest.mark.integration
-def test_a_peer_that_cannot_be_dialed_back_says_so(start_peer, write_manifest):
+def test_a_peer_that_cannot_be_dialed_back_says_so(start_peer, write_manifest, tmp_path):
     path = write_manifest(tiny_manifest_dict(), "swarm.json")
-    first = start_peer(path, "--new-swarm", "--stage", "0", "--no-trainer")
+    published = tmp_path / "published.json"
+    first = start_peer(path, "--new-swarm", "--write-manifest", str(published), "--stage", "0", "--no-trainer")
     first.wait_for("serving stage 0")
+    assert load_manifest(published).initial_peers == (first.maddr(),)  # the copy, ready to publish
+    assert load_manifest(path).initial_peers == ()  # the original is left alone
     behind_nat = start_peer(
-        path, "--stage", "1", "--no-trainer", "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{closed_port()}"
+        published, "--stage", "1", "--no-trainer", "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{closed_port()}"
     )
     behind_nat.wait_for("NOT reachable from other peers")
     behind_nat.wait_for("serving stage 1")
