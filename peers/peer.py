@@ -241,10 +241,12 @@ def decide_reachability(args: argparse.Namespace, initial_peers: list[str], host
     if args.no_listen:
         print("--no-listen: others cannot dial this peer; it opens connections to them instead", flush=True)
         return False
+    started = time.monotonic()
     verdict = asyncio.run(check_reachability(initial_peers, host_maddrs, args.announce_maddrs))
+    took = f"checked in {time.monotonic() - started:.1f} s"
     if verdict.reachable is False:
         print(
-            f"this peer is NOT reachable from other peers: {verdict.detail}. It takes part anyway: it opens "
+            f"this peer is NOT reachable from other peers: {verdict.detail} ({took}). It takes part anyway: it opens "
             "connections to the peers that call it, and announces that it does. To be reachable, open or forward "
             "a port (--host-maddrs /ip4/0.0.0.0/tcp/PORT) and announce your public address (--announce-maddrs)",
             flush=True,
@@ -253,7 +255,7 @@ def decide_reachability(args: argparse.Namespace, initial_peers: list[str], host
     if verdict.reachable is None:
         print(f"reachability not checked ({verdict.detail}); assuming other peers can dial this one", flush=True)
     else:
-        print(f"reachable: {verdict.detail}", flush=True)
+        print(f"reachable: {verdict.detail} ({took})", flush=True)
     return True
 
 
