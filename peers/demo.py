@@ -22,6 +22,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from peers import runtime
+from peers.reachability import NAMESPACE as REACHABILITY_NAMESPACE
+from peers.reachability import ReachabilityService
 from peers.trainer import Trainer
 from swarm.data import TextData, heldout_batches
 from swarm.errors import SwarmError
@@ -113,9 +115,11 @@ async def run_demo(
     initial_loss = evaluate_fresh_model(manifest, batches)
     console.print(f"held-out loss of the freshly initialised model: {initial_loss:.3f}")
 
+    p2p = await dht.replicate_p2p()
+    reachability = ReachabilityService()  # the peers' first contact: it answers their "can you dial me?"
+    await reachability.add_p2p_handlers(p2p, namespace=REACHABILITY_NAMESPACE)
     for k in range(args.peers):
         peers.append(start_peer(manifest_path, k % manifest.num_stages, logs / f"peer{k}.log"))
-    p2p = await dht.replicate_p2p()
     try:
         with console.status("starting peers (each loads torch and hivemind, joins the DHT, measures itself)..."):
             await wait_until_served(dht, manifest, peers, logs, stop, timeout=120)
@@ -188,6 +192,7 @@ async def run_demo(
             ],
         }
     finally:
+        await reachability.shutdown()
         await p2p.shutdown()
 
 

@@ -134,6 +134,8 @@ async def _ask(p2p: P2P, helper: str, maddrs: list[str]) -> dict:
             return {"reachable": None, "error": "a malformed answer"}
         return answer
     except Exception as e:  # the helper is gone, too slow, or does not know the check
+        if "protocols not supported" in str(e):
+            return {"reachable": None, "error": "it does not answer reachability checks (not a swarm-peer, or older)"}
         return {"reachable": None, "error": f"{type(e).__name__}: {str(e)[:120]}"}
 
 
