@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from swarm import __version__
@@ -143,8 +144,8 @@ def summarize(manifest: Manifest, path: Path) -> dict[str, Any]:
 def print_summary(summary: dict[str, Any]) -> None:
     console = Console()
     console.print(
-        f"wrote [bold]{summary['path']}[/]: swarm [bold]{summary['name']}[/] (id {summary['swarm_id']}), "
-        f"{summary['parameters'] / 1e6:.1f}M parameters"
+        f"wrote [bold]{escape(summary['path'])}[/]: swarm [bold]{escape(summary['name'])}[/] "
+        f"(id {summary['swarm_id']}), {summary['parameters'] / 1e6:.1f}M parameters"
     )
     table = Table("stage", "layers", "parameters")
     for stage in summary["stages"]:
@@ -152,7 +153,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         table.add_row(str(stage["stage"]), f"{start}..{end - 1}", f"{stage['parameters'] / 1e6:.1f}M")
     console.print(table)
     console.print("next: start the swarm's first peer; it writes its addresses into the manifest:")
-    console.print(f"  swarm-peer --join {summary['path']} --new-swarm", highlight=False)
+    console.print(f"  swarm-peer --join {escape(summary['path'])} --new-swarm", highlight=False)
     console.print("then publish it (a web server, a repository, a gist); others join with:")
     console.print(f"  swarm-peer --join <its URL>#{summary['swarm_id']}", highlight=False)
 

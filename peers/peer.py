@@ -25,7 +25,7 @@ from swarm.data import TextData
 from swarm.errors import SwarmError
 from swarm.manifest import Manifest, write_manifest
 from swarm.model import count_parameters
-from swarm.records import MAX_ADDRESSES, MAX_THROUGHPUT
+from swarm.records import MAX_THROUGHPUT, announceable
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
 
 logger = logging.getLogger("swarm-peer")
@@ -295,7 +295,10 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
         for addr in maddrs:
             print(f"  {addr}", flush=True)
     if args.new_swarm or args.write_manifest:
-        publish_addresses(args, manifest, runtime.visible_maddrs(dht))
+        if args.reachable:
+            publish_addresses(args, manifest, maddrs)
+        else:
+            print("not writing the manifest: nobody can join through a peer that others cannot dial", flush=True)
 
     trainer: Trainer | None = None
     trainer_task: asyncio.Task | None = None
@@ -309,7 +312,7 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else default_checkpoint_dir(manifest),
         checkpoint_every=args.checkpoint_every,
         reachable=args.reachable,
-        maddrs=tuple(maddrs[:MAX_ADDRESSES]) if args.reachable else (),  # nobody can dial an unreachable peer
+        maddrs=announceable(maddrs) if args.reachable else (),  # nobody can dial an unreachable peer
     )
 
     def on_switch(server: StageServer) -> None:
@@ -349,6 +352,7 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
                 local_server=rebalancer.server,
                 view=rebalancer.view,
                 traffic=rebalancer.traffic,
+                reachable=args.reachable,
             )
             trainer_task = asyncio.create_task(trainer.train(data.train, stop))
             print(f"training on data shard {shard} ({len(data.train) / 1e6:.1f} MB)", flush=True)

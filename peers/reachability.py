@@ -35,6 +35,8 @@ MAX_ADDR_LENGTH = 256
 DIAL_TIMEOUT = 5.0
 CHECK_TIMEOUT = 15.0  # the asker's limit for one helper's answer
 MAX_HELPERS = 3
+MAX_DIALS_PER_ROUND = 64  # of a reverse connector: records are public, so their number is not ours to choose
+CONCURRENT_DIALS = 16
 # the probe dials out only: no listening, no relays, no NAT tricks, so its dials test exactly one thing
 PROBE_OPTIONS = dict(
     no_listen=True, use_relay=False, use_auto_relay=False, auto_nat=False, nat_port_map=False, dht_mode="client"
@@ -78,45 +80,89 @@ def verdict_of(replies: list[dict]) -> Verdict:
     return Verdict(False, f"{len(answered) - yes} of {len(answered)} peers could not dial it back ({errors})")
 
 
+def ip_of(addr: Multiaddr) -> str | None:
+    for protocol in ("ip4", "ip6"):
+        try:
+            return addr.value_for_protocol(protocol)
+        except Exception:  # the multiaddr library raises several unrelated types
+            continue
+    return None
+
+
 class ReachabilityService(ServicerBase):
-    """Every peer answers "can you dial me?" by dialing the asker (never a third party) from a probe daemon."""
+    """Every peer answers "can you dial me?" by dialing the asker from a probe daemon.
+
+    It dials only the asker's own peer id, and only at addresses on the IP the asker is connected from, so a
+    check cannot make it dial (or probe the ports of) anyone else. One check at a time; others get "busy".
+    """
 
     def __init__(self) -> None:
+        self._p2p: P2P | None = None
         self._probe: P2P | None = None
-        self._lock = asyncio.Lock()  # one dial at a time: a cheap bound on what askers can make us do
+        self._lock = asyncio.Lock()
         self.checks = 0
+
+    async def add_p2p_handlers(self, p2p: P2P, *args, **kwargs) -> None:
+        self._p2p = p2p  # to see which IP an asker is connected from
+        await super().add_p2p_handlers(p2p, *args, **kwargs)
 
     async def rpc_check(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         started = time.monotonic()
+        reachable, error = await self._check(request, context)
+        reply = {"reachable": reachable, "error": error, "seconds": round(time.monotonic() - started, 3)}
+        return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(reply))
+
+    async def _check(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> tuple[bool | None, str]:
+        """(verdict, why); None: this helper cannot tell (busy, or its probe does not work)."""
+        if self._lock.locked():
+            return None, "busy with another check"
         try:
             claimed = MSGPackSerializer.loads(request.metadata).get("maddrs") if request.metadata else None
         except Exception:
             claimed = None
-        addrs = direct_addresses(claimed, context.remote_id.to_base58())
-        reachable, error = False, ""
-        if not addrs:
-            error = "no direct address to dial"
-        else:
-            async with self._lock:
-                self.checks += 1
-                try:
-                    if self._probe is None or not self._probe.is_alive:
-                        self._probe = await P2P.create(**PROBE_OPTIONS)
-                    # connect() authenticates the remote: it fails unless the caller itself answers there
-                    await asyncio.wait_for(self._probe._client.connect(context.remote_id, addrs), DIAL_TIMEOUT)
-                    reachable = True
-                except TimeoutError:
-                    error = f"dialing it timed out after {DIAL_TIMEOUT:g} s"
-                except Exception as e:
-                    error = f"{type(e).__name__}: {str(e)[:200]}"
-                finally:
-                    if self._probe is not None:
-                        try:  # the next check must dial afresh
-                            await self._probe._client.disconnect(context.remote_id)
-                        except Exception:
-                            pass
-        reply = {"reachable": reachable, "error": error, "seconds": round(time.monotonic() - started, 3)}
-        return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(reply))
+        asker = context.remote_id
+        async with self._lock:
+            self.checks += 1
+            connected_from = await self._connected_ips(asker)
+            addrs = [a for a in direct_addresses(claimed, asker.to_base58()) if ip_of(a) in connected_from]
+            if not addrs:
+                return False, "none of its addresses is on the IP it connects from"
+            try:
+                probe = await self._get_probe()
+            except Exception as e:
+                logger.warning(f"the reachability probe daemon did not start: {e!r}")
+                return None, "this helper's probe does not work"
+            try:
+                # connect() authenticates the remote: it fails unless the asker itself answers there
+                await asyncio.wait_for(probe._client.connect(asker, addrs), DIAL_TIMEOUT)
+                return True, ""
+            except TimeoutError:
+                return False, f"dialing it timed out after {DIAL_TIMEOUT:g} s"
+            except (ConnectionError, FileNotFoundError) as e:  # the probe's control socket: the probe died
+                self._probe = None
+                return None, f"this helper's probe failed ({type(e).__name__})"
+            except Exception as e:
+                return False, f"dialing it failed ({type(e).__name__}: {str(e)[:120]})"
+            finally:
+                try:  # the next check must dial afresh
+                    await probe._client.disconnect(asker)
+                except Exception:
+                    pass
+
+    async def _connected_ips(self, peer: PeerID) -> set[str]:
+        if self._p2p is None:
+            return set()
+        ips = set()
+        for info in await self._p2p.list_peers():
+            if info.peer_id == peer:
+                ips.update(ip for addr in info.addrs if (ip := ip_of(addr)) is not None)
+        return ips
+
+    async def _get_probe(self) -> P2P:
+        # hivemind's is_alive stays True when p2pd exits by itself: look at the process too
+        if self._probe is None or not self._probe.is_alive or self._probe._child.returncode is not None:
+            self._probe = await P2P.create(**PROBE_OPTIONS)
+        return self._probe
 
     async def shutdown(self) -> None:
         if self._probe is not None:
@@ -175,7 +221,8 @@ class ReverseConnector:
 
     def __init__(self, p2p: P2P, view: SwarmView, swarm_id: str, own_peer_id: str, period: float):
         self.p2p, self.view, self.swarm_id, self.own_peer_id, self.period = p2p, view, swarm_id, own_peer_id, period
-        self.connected: set[str] = set()
+        self.connected: set[str] = set()  # peers connected after the last round of dials
+        self.dialed: set[str] = set()  # those this peer dialed in that round
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -199,19 +246,26 @@ class ReverseConnector:
             if report.maddrs:
                 wanted.setdefault(report.peer_id, report.maddrs)
         wanted.pop(self.own_peer_id, None)
-        now_connected = {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
-        missing = [peer for peer in wanted if peer not in now_connected]
-        results = await asyncio.gather(*[self._dial(peer, wanted[peer]) for peer in missing])
-        self.connected = (now_connected & set(wanted)) | {peer for peer, ok in zip(missing, results) if ok}
+        await self.dial_missing(wanted)
 
-    async def _dial(self, peer_id: str, maddrs: tuple[str, ...]) -> bool:
+    async def dial_missing(self, wanted: dict[str, tuple[str, ...]]) -> None:
+        """Dial the peers of `wanted` (peer id: addresses) that are not connected; at most MAX_DIALS_PER_ROUND."""
+        now_connected = {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
+        missing = [peer for peer in wanted if peer not in now_connected][:MAX_DIALS_PER_ROUND]  # records are public
+        limit = asyncio.Semaphore(CONCURRENT_DIALS)
+        results = await asyncio.gather(*[self._dial(peer, wanted[peer], limit) for peer in missing])
+        self.dialed = {peer for peer, ok in zip(missing, results) if ok}
+        self.connected = (now_connected & set(wanted)) | self.dialed
+
+    async def _dial(self, peer_id: str, maddrs: tuple[str, ...], limit: asyncio.Semaphore) -> bool:
         addrs = direct_addresses(list(maddrs), peer_id)
         if not addrs:
             return False
-        try:
-            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), addrs), DIAL_TIMEOUT)
-            logger.info(f"opened a connection to {peer_id} (others cannot dial this peer)")
-            return True
-        except Exception as e:
-            logger.debug(f"could not dial {peer_id}: {e!r}")
-            return False
+        async with limit:
+            try:
+                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), addrs), DIAL_TIMEOUT)
+                logger.info(f"opened a connection to {peer_id} (others cannot dial this peer)")
+                return True
+            except Exception as e:
+                logger.debug(f"could not dial {peer_id}: {e!r}")
+                return False

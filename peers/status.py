@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
 import sys
 from typing import Any
 
@@ -22,6 +24,7 @@ from swarm.manifest import Manifest
 from swarm.records import fetch_announcements, fetch_trainer_reports
 
 GONE_AFTER = 600.0  # --watch keeps showing a peer that vanished for this many seconds, as "gone"
+MAX_FAILED_READS = 3  # --watch gives up after this many failed refreshes in a row
 
 EXAMPLES = """\
 examples:
@@ -52,13 +55,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS")
     parser.add_argument("--json", action="store_true", help="print JSON (one document; one line per refresh)")
     parser.add_argument("--peer", default=None, metavar="ID", help="show one peer in detail")
-    parser.add_argument(
-        "--host-maddrs",
-        nargs="+",
-        default=None,
-        metavar="MADDR",
-        help="multiaddrs for this client's DHT node (default: /ip4/0.0.0.0/tcp/0; it accepts no requests)",
-    )
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
     args = parser.parse_args(argv)
     if args.watch is not None and not 0.5 <= args.watch <= 86400:
@@ -68,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: the finally below stops the DHT and its daemon
     runtime.setup_logging("ERROR")  # a monitor prints its view, not hivemind's chatter
     dht = None
     try:
@@ -78,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                 "the manifest lists no initial peers, so there is no swarm to reach; use the manifest that the "
                 "swarm's first peer wrote (swarm-peer --new-swarm), or --join the multiaddr of a running peer"
             )
-        dht = runtime.start_dht(initial_peers, args.host_maddrs or runtime.ALL_INTERFACES, client_mode=True)
+        # a monitor accepts no connections: it only reads, over the connections it opens
+        dht = runtime.start_dht(initial_peers, [], client_mode=True, no_listen=True)
         return asyncio.run(watch(args, manifest, dht))
     except SwarmError as e:
         print(f"peer-status: error: {e}", file=sys.stderr)
@@ -90,25 +88,39 @@ def main(argv: list[str] | None = None) -> int:
             dht.shutdown()
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 async def watch(args: argparse.Namespace, manifest: Manifest | None, dht) -> int:
     if manifest is None:
         manifest = await runtime.manifest_through_peer(await dht.replicate_p2p(), args.join, manifest)
     console = Console() if sys.stdout.isatty() else Console(width=160)  # piped: do not squeeze the tables
     seen: dict[str, dict[str, Any]] = {}  # peers seen earlier, to show as "gone" when they vanish (--watch)
-    document = await read_swarm(dht, manifest, args.join, seen)
+    document = await read_swarm(dht, manifest, args.join, seen)  # the first read must work: else exit 2
     if args.watch is None:
         return show_once(args, document, console)
-    code = show_once(args, document, console) if args.json else exit_code(document)
-    if args.json:
+    # in place on a terminal; piped or --json, one document per refresh
+    live = Live(render(args, document), console=console, auto_refresh=False) if console.is_terminal else None
+    code = verdict(args, document) if live is not None and not args.json else show_once(args, document, console)
+    failures = 0
+    with live if live is not None and not args.json else contextlib.nullcontext():
         while True:
             await asyncio.sleep(args.watch)
-            code = show_once(args, await read_swarm(dht, manifest, args.join, seen), console)
-    with Live(render(args, document), console=console, auto_refresh=False, screen=False) as live:
-        while True:
-            await asyncio.sleep(args.watch)
-            document = await read_swarm(dht, manifest, args.join, seen)
-            live.update(render(args, document), refresh=True)
-            code = exit_code(document)
+            try:
+                document = await read_swarm(dht, manifest, args.join, seen)
+                failures = 0
+            except SwarmError as e:  # one slow read (a peer just died) must not end the watch
+                failures += 1
+                if failures >= MAX_FAILED_READS:
+                    raise
+                print(f"peer-status: refreshing failed ({e}); trying again", file=sys.stderr)
+                continue
+            if live is not None and not args.json:
+                live.update(render(args, document), refresh=True)
+                code = verdict(args, document)
+            else:
+                code = show_once(args, document, console)
     return code
 
 
@@ -123,11 +135,11 @@ async def read_swarm(dht, manifest: Manifest, source: str, seen: dict[str, dict[
         raise SwarmError(f"could not read the swarm's records from the DHT ({type(e).__name__}: {e})") from None
     now = get_dht_time()
     document = swarm_health(manifest, list(results[:-1]), results[-1], now, manifest_source=source)
-    current = {(p["peer_id"], p["stage"]) for p in document["peers"]}
+    current = {p["peer_id"] for p in document["peers"]}
     for peer in document["peers"]:
-        seen[f"{peer['peer_id']}/{peer['stage']}"] = {**peer, "seen_at": now}
+        seen[peer["peer_id"]] = {**peer, "seen_at": now}
     for key, peer in list(seen.items()):
-        if (peer["peer_id"], peer["stage"]) not in current:
+        if peer["peer_id"] not in current:
             if now - peer["seen_at"] > GONE_AFTER:
                 del seen[key]
             else:
@@ -135,6 +147,14 @@ async def read_swarm(dht, manifest: Manifest, source: str, seen: dict[str, dict[
                 gone.update(status="gone", last_seen=round(now - peer["seen_at"] + peer["last_seen"], 1))
                 document["peers"].append(gone)
     return document
+
+
+def verdict(args: argparse.Namespace, document: dict[str, Any]) -> int:
+    """The exit code: the swarm's health; with --peer, 0 only if that one peer is online."""
+    if args.peer is None:
+        return exit_code(document)
+    matches = find_peer(document, args.peer)
+    return 0 if len(matches) == 1 and matches[0]["status"] == "online" else DEGRADED
 
 
 def show_once(args: argparse.Namespace, document: dict[str, Any], console: Console) -> int:
@@ -150,7 +170,7 @@ def show_once(args: argparse.Namespace, document: dict[str, Any], console: Conso
             print(json.dumps(matches[0]), flush=True)
         else:
             console.print(peer_table(matches[0]))
-        return 0
+        return verdict(args, document)
     if args.json:
         print(json.dumps(document), flush=True)
     else:
@@ -220,9 +240,9 @@ def peers_table(document: dict[str, Any]) -> Table:
     for column in (*columns, "device", "version", "reachable"):
         table.add_column(column, justify="right" if column in ("speed", "delivered", "served", "queue") else "left")
     for p in document["peers"]:
-        table.add_row(
-            p["short_id"],
-            p["public_name"] or "-",
+        table.add_row(  # Text(): strings from the network are never read as rich markup
+            Text(p["short_id"]),
+            Text(p["public_name"] or "-"),
             str(p["stage"]),
             Text(p["status"], style=STATUS_STYLES.get(p["status"], "default")),
             f"{p['throughput']:.1f}/s",
@@ -231,15 +251,15 @@ def peers_table(document: dict[str, Any]) -> Table:
             str(p["outstanding"]),
             _duration(p["uptime"]),
             f"{_duration(p['last_seen'])} ago",
-            p["device"],
-            p["version"],
+            Text(p["device"]),
+            Text(p["version"]),
             "yes" if p["reachable"] else "no (dials out)",
         )
     return table
 
 
 def peer_table(peer: dict[str, Any]) -> Table:
-    table = Table("field", "value", title=f"peer {peer['peer_id']}", title_justify="left")
+    table = Table("field", "value", title=Text(f"peer {peer['peer_id']}"), title_justify="left")
     for key, value in peer.items():
         table.add_row(key, Text(str(value), style=STATUS_STYLES.get(value, "default") if key == "status" else ""))
     return table

@@ -31,7 +31,7 @@ from swarm import protocol
 from swarm.data import sample_batch
 from swarm.errors import MicrobatchFailedError, RemoteStageError
 from swarm.manifest import Manifest
-from swarm.records import MAX_ADDRESSES, SwarmView, TrainerReport, announcement_lifetime, store_trainer_report
+from swarm.records import SwarmView, TrainerReport, announceable, announcement_lifetime, store_trainer_report
 from swarm.routing import Router, online_peers
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,10 @@ class Trainer:
         local_server: StageServer | None = None,
         view: SwarmView | None = None,
         traffic: Traffic | None = None,
+        reachable: bool = True,
     ):
         self.manifest = manifest
+        self.reachable = reachable  # others can dial it: its reports carry its addresses
         self.traffic = traffic if traffic is not None else Traffic()  # shared with the peer's servers
         self.local_server = local_server  # this peer's own stage server: called directly, not over the network
         self.dht, self.p2p, self.peer_id = dht, p2p, peer_id
@@ -310,10 +312,12 @@ class Trainer:
 
     async def _report_forever(self) -> None:
         period = self.manifest.network.announce_period
-        try:  # announced so that stage peers that others cannot dial can dial this trainer (peers/reachability.py)
-            maddrs = tuple(str(a) for a in await self.p2p.get_visible_maddrs())[:MAX_ADDRESSES]
-        except ValueError:  # a node that does not listen has no address
-            maddrs = ()
+        maddrs: tuple[str, ...] = ()
+        if self.reachable:  # so that stage peers that others cannot dial can dial this trainer (peers/reachability.py)
+            try:
+                maddrs = announceable([str(a) for a in await self.p2p.get_visible_maddrs()])
+            except ValueError:  # a node that does not listen has no address
+                pass
         while True:
             await asyncio.sleep(period)
             loss, speed = self.recent_stats()

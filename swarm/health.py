@@ -44,6 +44,22 @@ def peer_document(ann: Announcement, now: float, announce_period: float) -> dict
     return document
 
 
+STATUS_RANK = {"online": 0, "joining": 1, "stale": 2, "offline": 3, "gone": 4}
+
+
+def one_record_per_peer(peers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A peer that moved has a record in its old stage (offline) and its new one: keep the liveliest."""
+    best: dict[str, dict[str, Any]] = {}
+    for peer in peers:
+        held = best.get(peer["peer_id"])
+        if held is None or (STATUS_RANK[peer["status"]], peer["last_seen"]) < (
+            STATUS_RANK[held["status"]],
+            held["last_seen"],
+        ):
+            best[peer["peer_id"]] = peer
+    return list(best.values())
+
+
 def stage_samples_trained(manifest: Manifest, peers: list[Announcement]) -> int:
     """Samples the stage has trained on since the swarm began, as far as its live peers know.
 
@@ -90,7 +106,7 @@ def swarm_health(
 ) -> dict[str, Any]:
     """Everything peer-status shows, as one JSON-compatible document (see `exit_code` for its verdict)."""
     period = manifest.network.announce_period
-    peers = [peer_document(ann, now, period) for anns in stages for ann in anns]
+    peers = one_record_per_peer([peer_document(ann, now, period) for anns in stages for ann in anns])
     peers.sort(key=lambda p: (p["stage"], p["status"] != "online", p["peer_id"]))
 
     live = [p for p in peers if p["status"] in ("online", "joining")]
@@ -117,7 +133,7 @@ def swarm_health(
             }
         )
     unserved = [row["stage"] for row in stage_rows if row["online_peers"] == 0]
-    bottleneck = min(range(manifest.num_stages), key=lambda s: (totals[s], s))
+    bottleneck = min(range(manifest.num_stages), key=lambda s: (stage_rows[s]["online_peers"] > 0, totals[s], s))
     samples_trained = max(
         (
             stage_samples_trained(manifest, [a for a in anns if peer_status(a, now, period)[0] == "online"])

@@ -330,7 +330,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
     d.no_unknown()
 
     n = obj.section("network", optional=True)
-    network = NetworkConfig(announce_period=n.number("announce_period", default=5.0, minimum=0.2, maximum=3600.0))
+    network = NetworkConfig(announce_period=n.number("announce_period", default=5.0, minimum=0.2, maximum=600.0))
     n.no_unknown()
 
     b = obj.section("balancing", optional=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 STATES = ("joining", "online", "offline")
 MAX_TEXT = 256
 MAX_ADDRESSES = 8
+PEER_ID_PATTERN = re.compile(r"[1-9A-HJ-NP-Za-km-z]{8,128}")  # base58
 MAX_COUNT = 2**53
 MAX_THROUGHPUT = 1e6  # samples per second; far above any real device for the models this runs
 MAX_LIFETIME = 3600.0  # records that claim to live longer than this are dropped on read
@@ -33,6 +35,13 @@ LIFETIME_PERIODS = 3  # an announcement lives this many announce periods: one lo
 
 def announcement_lifetime(announce_period: float) -> float:
     return LIFETIME_PERIODS * announce_period
+
+
+def announceable(addrs: list[str]) -> tuple[str, ...]:
+    """The addresses a record can carry: short enough, loopback last, at most MAX_ADDRESSES."""
+    fitting = [a for a in addrs if len(a) <= MAX_TEXT]
+    fitting.sort(key=lambda a: "/127.0.0.1/" in a or "/::1/" in a)
+    return tuple(fitting[:MAX_ADDRESSES])
 
 
 def stage_key(swarm_id: str, stage: int) -> str:
@@ -104,7 +113,7 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
         if not isinstance(record, dict) or record.get("protocol_version") != PROTOCOL_VERSION:
             return None
         ann = Announcement(
-            peer_id=_text(record["peer_id"]),
+            peer_id=_peer_id(record["peer_id"]),
             stage=_count(record["stage"]),
             state=_text(record["state"]),
             throughput=_rate(record["throughput"]),
@@ -115,8 +124,8 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
             outstanding=_count(record["outstanding"]),
             uptime=_duration(record["uptime"]),
             pinned=_flag(record["pinned"]),
-            device=_text(record["device"]),
-            public_name=_text(record["public_name"]),
+            device=_printable(record["device"]),
+            public_name=_printable(record["public_name"]),
             optimizer_steps=_count(record["optimizer_steps"]),
             averaging_round=_count(record["averaging_round"]),
             round_samples=_count(record["round_samples"]),
@@ -127,7 +136,7 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
             averaging_bytes_received=_count(record["averaging_bytes_received"]),
             reachable=_flag(record.get("reachable", True)),  # optional: added to protocol 3 later
             maddrs=_addresses(record.get("maddrs", [])),
-            version=_text(record["version"]),
+            version=_printable(record["version"]),
             expiration=float(expiration),
         )
     except (KeyError, ValueError):
@@ -146,7 +155,7 @@ def parse_trainer_report(subkey: Any, record: Any, expiration: float) -> Trainer
         if not isinstance(loss, float) or not (loss != loss or 0 <= loss < 1e6):  # NaN: no microbatch done yet
             return None
         report = TrainerReport(
-            peer_id=_text(record["peer_id"]),
+            peer_id=_peer_id(record["peer_id"]),
             loss=loss,
             samples_per_second=_rate(record["samples_per_second"]),
             samples=_count(record["samples"]),
@@ -163,6 +172,21 @@ def _text(value: Any) -> str:
     if not isinstance(value, str) or len(value) > MAX_TEXT:
         raise ValueError("not a short string")
     return value
+
+
+def _peer_id(value: Any) -> str:
+    """A libp2p peer id as text: base58 only (it is shown, used as a key and parsed by libp2p)."""
+    if not isinstance(value, str) or not PEER_ID_PATTERN.fullmatch(value):
+        raise ValueError("not a peer id")
+    return value
+
+
+def _printable(value: Any) -> str:
+    """Text shown to people (names, devices, versions): no control characters, no terminal escapes."""
+    text = _text(value)
+    if not text.isprintable():
+        raise ValueError("not printable")
+    return text
 
 
 def _addresses(value: Any) -> tuple[str, ...]:

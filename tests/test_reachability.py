@@ -122,17 +122,21 @@ def test_reverse_connector_lets_others_call_a_peer_that_does_not_listen(helper):
                     return False
 
             # the caller announces itself with its addresses, as every stage peer does
+            caller_id = caller_p2p.peer_id.to_base58()
             announcement = Announcement(
-                peer_id=caller_p2p.peer_id.to_base58(), stage=0, state="online", throughput=1.0, maddrs=caller_maddrs
+                peer_id=caller_id, stage=0, state="online", throughput=1.0, maddrs=caller_maddrs
             )
             await store_announcement(caller, manifest.swarm_id, announcement, announcement_lifetime(5))
-            await hidden_p2p._client.disconnect(caller_p2p.peer_id)  # hivemind's own DHT traffic may have dialed it
-            await asyncio.sleep(0.5)
-            before = await can_call()
             view = SwarmView(hidden, manifest.swarm_id, manifest.num_stages, max_age=0.0)
             connector = ReverseConnector(hidden_p2p, view, manifest.swarm_id, hidden_p2p.peer_id.to_base58(), 5.0)
-            await connector.connect_all()
-            result = before, await can_call(), connector.connected
+            await connector.connect_all()  # reads the records (through the DHT) and dials whoever is missing
+            assert connector.connected == {caller_id}
+            # reading the DHT may itself have connected the two: cut that, so that only the dial can help
+            await hidden_p2p._client.disconnect(caller_p2p.peer_id)
+            await asyncio.sleep(0.5)
+            before = await can_call()
+            await connector.dial_missing({caller_id: caller_maddrs})
+            result = before, await can_call(), connector.dialed
             await hidden_p2p.shutdown()
             await caller_p2p.shutdown()
             return result
@@ -159,10 +163,12 @@ def test_a_peer_that_does_not_listen_serves_a_stage(start_peer, write_manifest):
     path = write_manifest(tiny_manifest_dict(), "swarm.json")
     first = start_peer(path, "--new-swarm", "--stage", "0", "--no-trainer", "--public-name", "first")
     first.wait_for("serving stage 0")
-    hidden = start_peer(path, "--no-listen", "--stage", "1", "--no-trainer", "--public-name", "hidden")
+    hidden = start_peer(
+        path, "--no-listen", "--stage", "1", "--no-trainer", "--public-name", "hidden", "--status-every", "2"
+    )
     hidden.wait_for("serving stage 1")
     # the only peer of stage 1 does not listen: this trainer's microbatches can only pass through it
-    trainer = start_peer(path, "--stage", "0", "--public-name", "trainer")
+    trainer = start_peer(path, "--stage", "0", "--public-name", "trainer", "--status-every", "2")
     assert trainer.wait_for(r"reachable: 1 of 1 peers dialed it back")
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 
-from swarm.records import Announcement, TrainerReport, parse_announcement, parse_trainer_report
+from swarm.records import Announcement, TrainerReport, announceable, parse_announcement, parse_trainer_report
 from swarm.routing import BASE_BAN, MAX_BAN, Router, online_peers
 
 
@@ -95,11 +96,14 @@ def test_forget_keeps_peers_with_work_outstanding():
     assert set(router.peers) == {"busy", "here"}
 
 
+PEER = "12D3KooWEKYnHv3sXsjiyHYCaWwTAudbWmyGtnL2RZJUbA9FnEdV"
+
+
 def test_malformed_announcements_are_dropped():
-    good = ann("p", 3.0).to_record()
-    assert parse_announcement("p", good, 0, 1.0) is not None
+    good = ann(PEER, 3.0).to_record()
+    assert parse_announcement(PEER, good, 0, 1.0) is not None
     assert parse_announcement("other", good, 0, 1.0) is None  # subkey must match
-    assert parse_announcement("p", good, 1, 1.0) is None  # stored under another stage
+    assert parse_announcement(PEER, good, 1, 1.0) is None  # stored under another stage
     for bad in (
         {"throughput": float("nan")},
         {"throughput": 1e308},  # would swamp routing and balancing
@@ -115,33 +119,60 @@ def test_malformed_announcements_are_dropped():
         {"uptime": float("nan")},
         {"pinned": "yes"},
         {"stage": True},
+        {"public_name": "\x1b[2Jhello"},  # terminal escapes never reach peer-status's screen
+        {"device": "gpu\n"},
+        {"reachable": "no"},
+        {"maddrs": "/ip4/1.2.3.4/tcp/1"},
+        {"maddrs": ["/ip4/1.2.3.4/tcp/1"] * 9},
+        {"maddrs": [7]},
     ):
-        assert parse_announcement("p", {**good, **bad}, 0, 1.0) is None, bad
+        assert parse_announcement(PEER, {**good, **bad}, 0, 1.0) is None, bad
+    for peer_id in ("[/]", "p", "12D3KooW0OIl" + "x" * 10):  # not base58: never shown, keyed or dialed
+        assert parse_announcement(peer_id, {**good, "peer_id": peer_id}, 0, 1.0) is None, peer_id
     missing = dict(good)
     del missing["network_throughput"]
-    assert parse_announcement("p", missing, 0, 1.0) is None
-    assert parse_announcement("p", "not a dict", 0, 1.0) is None
+    assert parse_announcement(PEER, missing, 0, 1.0) is None
+    assert parse_announcement(PEER, "not a dict", 0, 1.0) is None
+    older = {k: v for k, v in good.items() if k not in ("reachable", "maddrs")}  # before these fields existed
+    assert parse_announcement(PEER, older, 0, 1.0).reachable is True
 
 
 def test_announcements_stay_small():
     record = Announcement(
-        peer_id="12D3KooW" + "x" * 44, stage=3, state="online", throughput=1e6, public_name="n" * 64, device="d" * 128
+        peer_id="12D3KooW" + "x" * 44,
+        stage=3,
+        state="online",
+        throughput=1e6,
+        public_name="n" * 64,
+        device="d" * 128,
+        maddrs=tuple(f"/ip4/203.0.113.{i}/tcp/31337/p2p/12D3KooW" + "x" * 44 for i in range(8)),
     ).to_record()
     from hivemind.utils import MSGPackSerializer
 
-    assert len(MSGPackSerializer.dumps(record)) < 1024  # DHT values over ~64 KB hang
+    assert len(MSGPackSerializer.dumps(record)) < 2048  # DHT values over ~64 KB hang
+
+
+def test_announceable_addresses_fit_a_record():
+    long = "/dns4/" + "a" * 300 + "/tcp/1"
+    addrs = ["/ip4/127.0.0.1/tcp/1", long, *[f"/ip4/10.0.0.{i}/tcp/1" for i in range(10)]]
+    announced = announceable(addrs)
+    assert len(announced) == 8 and long not in announced and "/ip4/127.0.0.1/tcp/1" not in announced
+    assert announceable(["/ip4/127.0.0.1/tcp/1"]) == ("/ip4/127.0.0.1/tcp/1",)  # loopback only: still announced
+    record = dataclasses.replace(ann(PEER), maddrs=announced).to_record()
+    assert parse_announcement(PEER, record, 0, 1.0).maddrs == announced
 
 
 def test_malformed_trainer_reports_are_dropped():
-    good = TrainerReport(peer_id="t", loss=2.5, samples_per_second=10.0, samples=100).to_record()
-    assert parse_trainer_report("t", good, 1.0) is not None
-    assert parse_trainer_report("t", {**good, "loss": float("nan")}, 1.0) is not None  # no microbatch done yet
+    good = TrainerReport(peer_id=PEER, loss=2.5, samples_per_second=10.0, samples=100).to_record()
+    assert parse_trainer_report(PEER, good, 1.0) is not None
+    assert parse_trainer_report(PEER, {**good, "loss": float("nan")}, 1.0) is not None  # no microbatch done yet
     for bad in (
         {"loss": float("inf")},
         {"loss": -1.0},
         {"samples": -5},
         {"samples": 1.5},
         {"failed_microbatches": None},
+        {"maddrs": [None]},
     ):
-        assert parse_trainer_report("t", {**good, **bad}, 1.0) is None, bad
+        assert parse_trainer_report(PEER, {**good, **bad}, 1.0) is None, bad
     assert parse_trainer_report("other", good, 1.0) is None

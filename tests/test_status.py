@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import queue
 import signal
 import subprocess
 import sys
@@ -98,6 +99,21 @@ def test_inefficient_assignment_is_reported():
 def test_too_few_peers_for_an_efficiency():
     doc = swarm_health(MANIFEST, [[announcement("a", 0)], []], [], NOW)
     assert doc["health"]["balance_efficiency"] is None
+
+
+def test_a_peer_that_moved_is_one_row():
+    stages = [[announcement("peer-a", 0, state="offline")], [announcement("peer-a", 1), announcement("peer-b", 1)]]
+    doc = swarm_health(MANIFEST, stages, [], NOW)
+    assert [(p["peer_id"], p["stage"], p["status"]) for p in doc["peers"]] == [
+        ("peer-a", 1, "online"),
+        ("peer-b", 1, "online"),
+    ]
+    assert [p["stage"] for p in find_peer(doc, "peer-a")] == [1]  # not ambiguous
+
+
+def test_an_unserved_stage_is_the_bottleneck_even_on_a_tie():
+    stages = [[announcement("peer-a", 0, throughput=0.0)], []]  # stage 0 served at 0 samples/s, stage 1 not at all
+    assert swarm_health(MANIFEST, stages, [], NOW)["health"]["bottleneck_stage"] == 1
 
 
 def test_find_peer_by_part_of_id_or_name():
@@ -208,13 +224,22 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder):
         text=True,
         start_new_session=True,
     )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout], daemon=True).start()
+
+    def next_document() -> dict:
+        try:
+            return json.loads(lines.get(timeout=60))  # a watch that stalls fails the test instead of hanging it
+        except queue.Empty:
+            raise AssertionError(f"peer-status --watch printed nothing for 60 s (exit status {watch.poll()})") from None
+
     try:
-        first = json.loads(watch.stdout.readline())
+        first = next_document()
         assert first["health"]["healthy"]
         bob.kill()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            doc = json.loads(watch.stdout.readline())
+            doc = next_document()
             bob_now = [p for p in doc["peers"] if p["public_name"] == "bob"]
             if bob_now and bob_now[0]["status"] == "gone":
                 break
