@@ -37,8 +37,8 @@ examples:
   peer-status --join my-swarm.json --peer 3xYzAbCd
       one peer in detail (a part of its id of at least 4 characters, or its public name)
 
-exit codes: 0 healthy (every stage served by an online peer), 1 degraded (some stage has none, or --peer
-found no such peer), 2 the swarm cannot be reached (bad manifest, no initial peer answers)
+exit codes: 0 healthy (every stage served by an online peer), 1 degraded (some stage has none; with --peer:
+that peer is not online), 2 the swarm cannot be reached (bad manifest, no initial peer answers)
 """
 
 STATUS_STYLES = {"online": "green", "joining": "cyan", "stale": "yellow", "offline": "red", "gone": "red"}

@@ -98,6 +98,7 @@ BAD_FIELDS = [
     ("data.heldout_fraction", 0.9, "data.heldout_fraction"),
     ("data.shards", 0, "data.shards"),
     ("network.announce_period", 0, "network.announce_period"),
+    ("network.announce_period", 3600, "network.announce_period"),  # records would outlive the 1 h read limit
     ("balancing", [], "balancing"),
     ("balancing.check_period", 0, "balancing.check_period"),
     ("balancing.min_gain", -0.1, "balancing.min_gain"),
