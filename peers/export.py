@@ -36,7 +36,7 @@ from peers import runtime
 from peers.server import StageServer, download_state
 from swarm import PROTOCOL_VERSION, __version__
 from swarm.errors import SwarmError
-from swarm.manifest import Manifest, load_manifest
+from swarm.manifest import Manifest
 from swarm.model import build_full_model, build_stage
 from swarm.records import Announcement, fetch_announcements
 from swarm.routing import online_peers
@@ -56,6 +56,8 @@ examples:
       download every stage's current parameters from the swarm into one file
   swarm-export --join my-swarm.json --out model.safetensors --timeout 600 --json
       allow 10 minutes (a large model on a slow link) and print the summary as one JSON document
+  swarm-export --join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... --out model.safetensors
+      the same through any running peer, which hands out the manifest
   python examples/generate.py --model model.safetensors --prompt "def main("
       sample text from the exported model
 """
@@ -368,15 +370,20 @@ def _short_error(e: BaseException) -> str:
 
 async def export_swarm(
     dht: DHT,
-    manifest: Manifest,
+    manifest: Manifest | None,
     deadline: float,
     on_status: Callable[[int, str, bool], None] = lambda stage, status, done: None,
     wait: float = DISCOVERY_WAIT,
-) -> tuple[dict[str, torch.Tensor], list[StageSource]]:
+    join: str = "",
+    on_manifest: Callable[[Manifest], None] = lambda manifest: None,
+) -> tuple[Manifest, dict[str, torch.Tensor], list[StageSource]]:
     """Find every stage's online peers, download the stages (PARALLEL_DOWNLOADS at once) and assemble the whole
-    model's parameters. Everything ends by `deadline` (time.monotonic())."""
+    model's parameters. Everything ends by `deadline` (time.monotonic()). Without a manifest, the peer that
+    `join` names hands it out (over the same p2p replica: see runtime.manifest_through_peer)."""
     p2p = await asyncio.wait_for(dht.replicate_p2p(), max(0.1, _remaining(deadline)))
     try:
+        manifest = await runtime.manifest_through_peer(p2p, join, manifest)
+        on_manifest(manifest)
         for stage in range(manifest.num_stages):
             on_status(stage, "looking for online peers", False)
         sources = await find_sources(dht, manifest, deadline, wait)
@@ -410,7 +417,7 @@ async def export_swarm(
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         tensors = assemble_full_state(manifest, [params for params, _ in results])
-        return tensors, [source for _, source in results]
+        return manifest, tensors, [source for _, source in results]
     finally:
         try:
             await asyncio.wait_for(p2p.shutdown(), timeout=5)
@@ -429,12 +436,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--join",
-        required=True,
-        metavar="MANIFEST",
-        help="path or http(s) URL of the swarm's manifest (a URL ending in #<swarm id> is checked against it)",
-    )
+    runtime.add_join_argument(parser)
     parser.add_argument("--out", required=True, metavar="FILE", help="the safetensors file to write (replaced whole)")
     parser.add_argument(
         "--timeout",
@@ -479,21 +481,21 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     dht: DHT | None = None
     try:
-        manifest = load_manifest(args.join)
+        manifest = runtime.read_join(args.join)  # None: --join names a peer, which hands out the manifest
         check_output_path(out)
-        if not manifest.initial_peers:
+        if not runtime.bootstrap_peers(args.join, manifest):
             raise ExportError(
                 f"manifest {args.join} lists no initial peers, so there is no running swarm to export from; put the "
                 "address a running peer printed (/ip4/.../tcp/.../p2p/...) into its initial_peers"
             )
         # The DHT forks its own process: start it before any thread exists (rich's progress runs one).
         dht = runtime.start_dht(
-            list(manifest.initial_peers),
+            runtime.bootstrap_peers(args.join, manifest),
             args.host_maddrs or runtime.LOOPBACK,
             client_mode=True,
             startup_timeout=max(1.0, min(60.0, _remaining(deadline))),
         )
-        tensors, sources = _run_with_progress(dht, manifest, deadline, args, quiet=args.json)
+        manifest, tensors, sources = _run_with_progress(dht, manifest, deadline, args, quiet=args.json)
         size = write_safetensors(out, tensors, export_metadata(manifest, sources))
     except KeyboardInterrupt:
         print("swarm-export: interrupted; nothing was written", file=sys.stderr)
@@ -517,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_with_progress(
-    dht: DHT, manifest: Manifest, deadline: float, args: argparse.Namespace, quiet: bool
-) -> tuple[dict[str, torch.Tensor], list[StageSource]]:
+    dht: DHT, manifest: Manifest | None, deadline: float, args: argparse.Namespace, quiet: bool
+) -> tuple[Manifest, dict[str, torch.Tensor], list[StageSource]]:
     progress = Progress(
         SpinnerColumn(finished_text="[green]✓[/green]"),
         TextColumn("{task.description}"),
@@ -529,17 +531,20 @@ def _run_with_progress(
         transient=True,  # the summary (or the error) replaces it
     )
     rows = {}
-    for stage in range(manifest.num_stages):
-        start, end = manifest.stages[stage]
-        rows[stage] = progress.add_task(f"stage {stage} (layers {start}..{end - 1})", total=1, status="")
+
+    def add_rows(manifest: Manifest) -> None:
+        for stage in range(manifest.num_stages):
+            start, end = manifest.stages[stage]
+            rows[stage] = progress.add_task(f"stage {stage} (layers {start}..{end - 1})", total=1, status="")
 
     def on_status(stage: int, status: str, done: bool) -> None:
         progress.update(rows[stage], status=status, completed=1 if done else 0)
 
-    async def run() -> tuple[dict[str, torch.Tensor], list[StageSource]]:
+    async def run() -> tuple[Manifest, dict[str, torch.Tensor], list[StageSource]]:
         # every step of export_swarm is bounded by the deadline; this is a safety net
         return await asyncio.wait_for(
-            export_swarm(dht, manifest, deadline, on_status, args.wait), _remaining(deadline) + 10
+            export_swarm(dht, manifest, deadline, on_status, args.wait, join=args.join, on_manifest=add_rows),
+            _remaining(deadline) + 10,
         )
 
     with progress:

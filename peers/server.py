@@ -844,6 +844,9 @@ async def probe_bandwidth(p2p: P2P, peer_id: str, manifest: Manifest, timeout: f
     return await asyncio.wait_for(measure_bandwidth(exchange), timeout=4 * timeout)
 
 
+TRUNCATED_STATE_ATTEMPTS = 3
+
+
 async def download_state(
     p2p: P2P, peer_id: str, manifest: Manifest, stage: int, shapes: dict[str, tuple[int, ...]], timeout: float
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
@@ -858,11 +861,17 @@ async def download_state(
         parts = await stub.rpc_download_state(request)
         return await protocol.combine_message(parts, runtime_pb2.ExpertResponse, max_bytes, max_tensors=len(shapes))
 
-    reply = await asyncio.wait_for(fetch(), timeout=timeout)
     largest = max(math.prod(shape) for shape in shapes.values())
-    tensors = protocol.decode_reply(reply, max(largest, 1))  # raises RemoteStageError for an error reply
-    metadata = protocol.MSGPackSerializer.loads(reply.metadata)
-    names = metadata.get("names")
+    for attempt in range(1, TRUNCATED_STATE_ATTEMPTS + 1):
+        reply = await asyncio.wait_for(fetch(), timeout=timeout)
+        tensors = protocol.decode_reply(reply, max(largest, 1))  # raises RemoteStageError for an error reply
+        metadata = protocol.MSGPackSerializer.loads(reply.metadata)
+        names = metadata.get("names")
+        # a hivemind stream that breaks ends like one that is complete: fewer tensors than names means cut short
+        if isinstance(names, list) and len(names) > len(tensors) and attempt < TRUNCATED_STATE_ATTEMPTS:
+            logger.info(f"the state from {peer_id} came cut short ({len(tensors)} of {len(names)}); asking again")
+            continue
+        break
     if not isinstance(names, list) or len(names) != len(tensors) or not all(isinstance(n, str) for n in names):
         raise RemoteStageError("the state's names do not match its tensors", "internal")
     counters = {}

@@ -54,7 +54,7 @@ def run_tool(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def export_command(manifest_path: Path, out: Path, *flags: str, script: bool = False) -> list[str]:
+def export_command(manifest_path: Path | str, out: Path, *flags: str, script: bool = False) -> list[str]:
     """`python -m peers.export ...`, or with `script` the installed `swarm-export` (pyproject's entry point)."""
     program = [str(Path(sys.executable).parent / "swarm-export")] if script else [sys.executable, "-m", "peers.export"]
     return [*program, "--join", str(manifest_path), "--out", str(out), *flags]
@@ -280,6 +280,13 @@ def test_export_of_a_trained_swarm_matches_its_peers(start_peer, write_manifest,
         result = run_tool([sys.executable, str(GENERATE), "--model", str(out), "--tokens", "30", "--seed", "0"], 60)
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("def ") and len(result.stdout.strip()) > len("def ")
+
+        # through a running peer's multiaddr instead of the manifest: it hands out the manifest, same result
+        through_peer = tmp_path / "through-peer.safetensors"
+        result = run_tool(export_command(last.maddr(), through_peer, "--timeout", "60", "--json"), 90)
+        assert result.returncode == 0, result.stderr
+        again = load_file(str(through_peer))
+        assert all(torch.equal(again[name], exported[name]) for name in exported)
 
         # the last stage's only peer leaves: the export says so, within its timeout, and writes nothing
         last.process.send_signal(signal.SIGTERM)

@@ -39,7 +39,9 @@ def wait_online(dht: DHT, manifest, counts: list[int], timeout: float = 60.0) ->
 
 
 def test_two_stage_swarm_trains_and_heldout_loss_falls(start_peer, write_manifest):
-    raw = tiny_manifest_dict()
+    # records live 3 announce periods: 1 s would let the "offline" record checked below expire during the
+    # peer's own shutdown (checkpoint, daemons) on a busy machine
+    raw = tiny_manifest_dict(network={"announce_period": 3.0})
     path = write_manifest(raw)
     first = start_peer(path, "--stage", "0", "--no-trainer")
     raw["initial_peers"] = [first.maddr()]
