@@ -24,6 +24,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from multiaddr import Multiaddr
 
+from peers.runtime import daemon_sockets, remove_stale_sockets
 from swarm.protocol import MSGPackSerializer
 from swarm.records import SwarmView, fetch_trainer_reports
 
@@ -192,6 +193,7 @@ async def check_reachability(
     helpers = list(dict.fromkeys(a.rsplit("/p2p/", 1)[1] for a in bootstrap if "/p2p/" in a))[:MAX_HELPERS]
     if not helpers:
         return Verdict(None, "no other peer to ask yet")
+    sockets_before = daemon_sockets()
     try:
         node = await P2P.create(
             initial_peers=bootstrap,
@@ -202,6 +204,7 @@ async def check_reachability(
             startup_timeout=10,
         )
     except Exception as e:  # the bootstrap peers do not answer: starting the DHT will say so, clearly
+        remove_stale_sockets(daemon_sockets() - sockets_before)  # hivemind leaves a failed daemon's socket file
         return Verdict(None, f"could not reach the peers to ask ({type(e).__name__})")
     try:
         maddrs = [str(a) for a in await node.get_visible_maddrs()]

@@ -93,8 +93,17 @@ def _interrupt(signum, frame) -> None:
 
 
 async def watch(args: argparse.Namespace, manifest: Manifest | None, dht) -> int:
-    if manifest is None:
-        manifest = await runtime.manifest_through_peer(await dht.replicate_p2p(), args.join, manifest)
+    if manifest is not None:
+        return await show(args, manifest, dht)
+    p2p = await dht.replicate_p2p()
+    try:
+        return await show(args, await runtime.manifest_through_peer(p2p, args.join, manifest), dht)
+    finally:
+        await p2p.shutdown()  # else its p2pclient socket file stays behind in /tmp
+
+
+async def show(args: argparse.Namespace, manifest: Manifest, dht) -> int:
+    """Read the swarm and print it, once or (--watch) until interrupted; the exit code."""
     console = Console() if sys.stdout.isatty() else Console(width=160)  # piped: do not squeeze the tables
     seen: dict[str, dict[str, Any]] = {}  # peers seen earlier, to show as "gone" when they vanish (--watch)
     document = await read_swarm(dht, manifest, args.join, seen)  # the first read must work: else exit 2
