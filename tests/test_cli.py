@@ -75,6 +75,9 @@ def test_bad_input_gets_a_clear_error(tmp_path, manifest, flags, expected):
         ("peers.peer", ["--simulated-speed", "0"], "--simulated-speed must be in (0, 1]"),
         ("peers.peer", ["--public-name", "x" * 65], "--public-name must be at most 64"),
         ("peers.peer", ["--public-name", "bell\a"], "--public-name must be at most 64"),
+        ("peers.peer", ["--no-listen", "--new-swarm"], "--no-listen: nobody could join through this peer"),
+        ("peers.peer", ["--metrics-host", "0.0.0.0"], "--metrics-host needs --metrics-port"),
+        ("peers.peer", ["--metrics-port", "70000"], "--metrics-port must be a port number"),
         ("peers.demo", ["--peers", "0"], "--peers must be at least 1"),
         ("peers.demo", ["--duration", "-5"], "--duration must be positive"),
         ("peers.demo", ["--peers", "1"], "each needs a peer"),
@@ -153,3 +156,9 @@ def test_demo_ctrl_c_stops_every_peer():
             except ProcessLookupError:
                 pass
         demo.wait(timeout=10)
+
+
+def test_new_swarm_needs_a_manifest_file_to_write():
+    code, out, _ = run("peers.peer", "--join", "http://127.0.0.1:9/swarm.json", "--new-swarm")
+    assert code == 2 and "--new-swarm writes this peer's addresses into the manifest" in out
+    assert "Traceback" not in out
