@@ -331,7 +331,7 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
     connector_task: asyncio.Task | None = None
     try:
         if not args.reachable:  # from the start: peers it downloads state from or measures against may call back
-            connector = ReverseConnector(p2p, rebalancer.view, manifest.swarm_id, peer_id, CONNECT_PERIOD)
+            connector = ReverseConnector(p2p, rebalancer.view, peer_id, CONNECT_PERIOD)
             connector_task = asyncio.create_task(connector.run(stop))
         if args.metrics_port is not None:  # before the join (it may take minutes): scrapes show the peer "joining"
             metrics = start_metrics_server(args.metrics_host, args.metrics_port, rebalancer, lambda: trainer)

@@ -101,7 +101,6 @@ class ReachabilityService(ServicerBase):
         self._p2p: P2P | None = None
         self._probe: P2P | None = None
         self._lock = asyncio.Lock()
-        self.checks = 0
 
     async def add_p2p_handlers(self, p2p: P2P, *args, **kwargs) -> None:
         self._p2p = p2p  # to see which IP an asker is connected from
@@ -123,7 +122,6 @@ class ReachabilityService(ServicerBase):
             claimed = None
         asker = context.remote_id
         async with self._lock:
-            self.checks += 1
             connected_from = await self._connected_ips(asker)
             addrs = [a for a in direct_addresses(claimed, asker.to_base58()) if ip_of(a) in connected_from]
             if not addrs:
@@ -222,8 +220,8 @@ async def check_reachability(
 class ReverseConnector:
     """Keeps a connection open from this (undialable) peer to every peer that may call it."""
 
-    def __init__(self, p2p: P2P, view: SwarmView, swarm_id: str, own_peer_id: str, period: float):
-        self.p2p, self.view, self.swarm_id, self.own_peer_id, self.period = p2p, view, swarm_id, own_peer_id, period
+    def __init__(self, p2p: P2P, view: SwarmView, own_peer_id: str, period: float):
+        self.p2p, self.view, self.own_peer_id, self.period = p2p, view, own_peer_id, period
         self.connected: set[str] = set()  # peers connected after the last round of dials
         self.dialed: set[str] = set()  # those this peer dialed in that round
 
@@ -245,7 +243,7 @@ class ReverseConnector:
             for ann in announcements:
                 if ann.state != "offline" and ann.maddrs:
                     wanted[ann.peer_id] = ann.maddrs
-        for report in await fetch_trainer_reports(self.view.dht, self.swarm_id):
+        for report in await fetch_trainer_reports(self.view.dht, self.view.swarm_id):
             if report.maddrs:
                 wanted.setdefault(report.peer_id, report.maddrs)
         wanted.pop(self.own_peer_id, None)

@@ -16,6 +16,7 @@ from hivemind.p2p import P2P
 
 from swarm.errors import PeerStartError
 from swarm.manifest import Manifest, load_manifest
+from swarm.records import is_loopback
 
 ALL_INTERFACES = ["/ip4/0.0.0.0/tcp/0"]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -152,12 +153,12 @@ def visible_maddrs(dht: DHT) -> list[str]:
         addrs = [str(a) for a in dht.get_visible_maddrs()]
     except ValueError:  # hivemind raises this for a node that does not listen (--no-listen)
         return []
-    return sorted(addrs, key=lambda a: ("/127.0.0.1/" in a or "/::1/" in a, a))
+    return sorted(addrs, key=lambda a: (is_loopback(a), a))
 
 
 def publishable_maddrs(addrs: list[str]) -> list[str]:
     """The addresses worth giving to peers on other machines: all but loopback ones, unless only those exist."""
-    remote = [a for a in addrs if not ("/127.0.0.1/" in a or "/::1/" in a)]
+    remote = [a for a in addrs if not is_loopback(a)]
     return remote or list(addrs)
 
 

@@ -110,10 +110,11 @@ async def show(args: argparse.Namespace, manifest: Manifest, dht) -> int:
     if args.watch is None:
         return show_once(args, document, console)
     # in place on a terminal; piped or --json, one document per refresh
-    live = Live(render(args, document), console=console, auto_refresh=False) if console.is_terminal else None
-    code = verdict(args, document) if live is not None and not args.json else show_once(args, document, console)
+    in_place = console.is_terminal and not args.json
+    live = Live(render(args, document), console=console, auto_refresh=False) if in_place else None
+    code = verdict(args, document) if live is not None else show_once(args, document, console)
     failures = 0
-    with live if live is not None and not args.json else contextlib.nullcontext():
+    with live or contextlib.nullcontext():
         while True:
             await asyncio.sleep(args.watch)
             try:
@@ -125,7 +126,7 @@ async def show(args: argparse.Namespace, manifest: Manifest, dht) -> int:
                     raise
                 print(f"peer-status: refreshing failed ({e}); trying again", file=sys.stderr)
                 continue
-            if live is not None and not args.json:
+            if live is not None:
                 live.update(render(args, document), refresh=True)
                 code = verdict(args, document)
             else:

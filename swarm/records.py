@@ -37,10 +37,15 @@ def announcement_lifetime(announce_period: float) -> float:
     return LIFETIME_PERIODS * announce_period
 
 
+def is_loopback(addr: str) -> bool:
+    """Whether a multiaddr points at this machine only (useless to peers on other machines)."""
+    return "/127.0.0.1/" in addr or "/::1/" in addr
+
+
 def announceable(addrs: list[str]) -> tuple[str, ...]:
     """The addresses a record can carry: short enough, loopback last, at most MAX_ADDRESSES."""
     fitting = [a for a in addrs if len(a) <= MAX_TEXT]
-    fitting.sort(key=lambda a: "/127.0.0.1/" in a or "/::1/" in a)
+    fitting.sort(key=is_loopback)
     return tuple(fitting[:MAX_ADDRESSES])
 
 

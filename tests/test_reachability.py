@@ -128,7 +128,7 @@ def test_reverse_connector_lets_others_call_a_peer_that_does_not_listen(helper):
             )
             await store_announcement(caller, manifest.swarm_id, announcement, announcement_lifetime(5))
             view = SwarmView(hidden, manifest.swarm_id, manifest.num_stages, max_age=0.0)
-            connector = ReverseConnector(hidden_p2p, view, manifest.swarm_id, hidden_p2p.peer_id.to_base58(), 5.0)
+            connector = ReverseConnector(hidden_p2p, view, hidden_p2p.peer_id.to_base58(), 5.0)
             await connector.connect_all()  # reads the records (through the DHT) and dials whoever is missing
             assert connector.connected == {caller_id}
             # reading the DHT may itself have connected the two: cut that, so that only the dial can help
