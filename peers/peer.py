@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from peers import reachability, runtime
+from peers.identity import claim_identity, identity_taken, without_own_address
 from peers.metrics import start_metrics_server
 from peers.reachability import ReachabilityService, ReverseConnector, check_reachability
 from peers.rebalancer import Rebalancer, ServingOptions
@@ -22,7 +23,7 @@ from peers.trainer import Trainer
 from swarm import __version__
 from swarm.checkpoint import default_checkpoint_dir
 from swarm.data import TextData
-from swarm.errors import SwarmError
+from swarm.errors import PeerStartError, SwarmError
 from swarm.manifest import Manifest, write_manifest
 from swarm.model import count_parameters
 from swarm.records import MAX_THROUGHPUT, announceable
@@ -49,6 +50,8 @@ examples:
       measure compute throughput again (not from the cache) and take the link as 50 Mbit/s
   swarm-peer --join my-swarm.json --checkpoint-dir /data/ckpt --checkpoint-every 60
       save the served stage's state every minute (and on exit); a restart resumes from it
+  swarm-peer --join my-swarm.json --identity ~/.swarm-peer.key --host-maddrs /ip4/0.0.0.0/tcp/31337
+      keep the same peer id (and so the same address) across restarts: the address stays valid in manifests
   swarm-peer --join my-swarm.json --simulated-speed 0.25
       testing aid: behave like a device 4x slower than this one (compute takes 4x as long)
   swarm-peer --join my-swarm.json --metrics-port 9100 --metrics-host 0.0.0.0
@@ -138,6 +141,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SECONDS",
         help="save a checkpoint this often (default: 300); 0: only when the peer stops cleanly",
     )
+    parser.add_argument(
+        "--identity",
+        default=None,
+        metavar="PATH",
+        help="keep this peer's id in a private key file (created if missing), so that it survives restarts; "
+        "each running peer needs its own file (default: a new id on every start)",
+    )
     parser.add_argument("--public-name", default="", help="a name shown to others in peer-status (at most 64 chars)")
     parser.add_argument(
         "--metrics-port",
@@ -206,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runtime.setup_logging(args.log_level)
     dht = None
+    identity = None  # the locked identity file, held open while the peer runs
     try:
         host_maddrs = args.host_maddrs or runtime.ALL_INTERFACES
         # The DHT forks its own process: start it before any thread exists.
@@ -213,11 +224,26 @@ def main(argv: list[str] | None = None) -> int:
         if manifest is not None:
             check_stage_flag(args, manifest)
         initial_peers = [] if args.new_swarm else runtime.bootstrap_peers(args.join, manifest)
+        identity_path = Path(args.identity).expanduser() if args.identity else None
+        if identity_path is not None:
+            own_id, identity = claim_identity(identity_path)
+            # asked with its own address among the initial peers: a live peer there with this id is a twin
+            if asyncio.run(identity_taken(identity_path, initial_peers)):
+                raise PeerStartError(
+                    f"--identity {identity_path}: a peer with this id ({own_id}) is already in the swarm; two peers "
+                    "cannot share an identity: stop the other one, or give this peer its own file"
+                )
+            initial_peers = without_own_address(initial_peers, own_id)  # a restart: nobody answers there
         if not initial_peers and not args.new_swarm:
             print("the manifest lists no initial peers: starting a new swarm", flush=True)
         args.reachable = decide_reachability(args, initial_peers, host_maddrs)
         dht = runtime.start_dht(
-            initial_peers, host_maddrs, args.announce_maddrs, client_mode=not args.reachable, no_listen=args.no_listen
+            initial_peers,
+            host_maddrs,
+            args.announce_maddrs,
+            client_mode=not args.reachable,
+            no_listen=args.no_listen,
+            identity_path=identity_path,
         )
         device = runtime.resolve_device(args.device)
         if args.threads:
@@ -226,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"swarm-peer: error: {e}", file=sys.stderr)
         if dht is not None:
             dht.shutdown()
+        if identity is not None:
+            identity.close()
         return 2
     try:
         return asyncio.run(run_peer(args, manifest, dht, device))
@@ -234,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         dht.shutdown()
+        if identity is not None:
+            identity.close()
 
 
 def decide_reachability(args: argparse.Namespace, initial_peers: list[str], host_maddrs: list[str]) -> bool:

@@ -89,6 +89,7 @@ def start_dht(
     client_mode: bool = False,
     startup_timeout: float = 20.0,
     no_listen: bool = False,
+    identity_path: Path | None = None,
 ) -> DHT:
     """Start a hivemind DHT node (its own process and p2pd daemon), turning failures into PeerStartError."""
     for addrs, flag in ((host_maddrs, "--host-maddrs"), (announce_maddrs or [], "--announce-maddrs")):
@@ -106,6 +107,8 @@ def start_dht(
             client_mode=client_mode or no_listen,  # nobody could reach its DHT requests' handlers
             startup_timeout=startup_timeout,
             **({"no_listen": True} if no_listen else {}),
+            # the peer checked that the identity is free itself (peers/identity.py), with a clearer error
+            **({"identity_path": str(identity_path), "check_if_identity_free": False} if identity_path else {}),
         )
     except Exception as e:
         remove_stale_sockets(daemon_sockets() - sockets_before)

@@ -103,7 +103,7 @@ class PeerProcess:
         return self.wait_for(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", timeout).group(1)
 
     def peer_id(self, timeout: float = 60.0) -> str:
-        return self.wait_for(r"peer (12D3\w+)", timeout).group(1)
+        return self.wait_for(r"peer ((?:12D3|Qm)\w+)", timeout).group(1)  # Qm: an RSA key (--identity)
 
     def status_lines(self) -> list[dict]:
         lines = []
