@@ -494,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             args.host_maddrs or runtime.LOOPBACK,
             client_mode=True,
             startup_timeout=max(1.0, min(60.0, _remaining(deadline))),
+            secret=manifest.secret if manifest is not None else None,
         )
         manifest, tensors, sources = _run_with_progress(dht, manifest, deadline, args, quiet=args.json)
         size = write_safetensors(out, tensors, export_metadata(manifest, sources))

@@ -17,6 +17,7 @@ from swarm.errors import SwarmError
 from swarm.manifest import AVERAGING_MODES, COMPRESSIONS, OPTIMIZERS, Manifest, write_manifest
 from swarm.model import count_stage_parameters
 from swarm.presets import PRESETS, new_manifest
+from swarm.secret import write_secret
 
 EXAMPLES = """\
 examples:
@@ -26,6 +27,9 @@ examples:
       about 1B parameters in 4 stages for GPUs, trained on the text files under /data/corpus
   swarm-init my-swarm --preset small --stages 4 --learning-rate 5e-4 --averaging-mode diloco
       a preset with some settings changed
+  swarm-init my-swarm --private
+      a private swarm: also writes my-swarm.secret (give it only to members; the manifest names it, so the
+      manifest can still be published); peers without it can neither read, call nor average with members
   swarm-init my-swarm --width 256 --depth 6 --heads 8 --context-length 256 --stages 3
       explicit model settings (the rest from the tiny preset)
 
@@ -46,7 +50,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", default="tiny", choices=list(PRESETS), help=f"model size: {presets}")
     parser.add_argument("--stages", type=int, default=None, help="number of pipeline stages (default: the preset's)")
     parser.add_argument("--out", "-o", default=None, metavar="PATH", help="where to write it (default: NAME.json)")
-    parser.add_argument("--force", action="store_true", help="overwrite PATH if it exists")
+    parser.add_argument("--force", action="store_true", help="overwrite PATH (and the secret file) if it exists")
+    parser.add_argument(
+        "--private",
+        action="store_true",
+        help="make a private swarm: write a new secret next to the manifest (NAME.secret) and name it in the "
+        "manifest; only peers that have the file can take part",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON summary instead of a table")
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
 
@@ -84,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if out.exists() and not args.force:
             raise SwarmError(f"{out} already exists; pass --force to overwrite it, or --out another path")
+        secret_path = out.with_suffix(".secret") if args.private else None
+        if secret_path is not None and secret_path.exists() and not args.force:
+            raise SwarmError(f"{secret_path} already exists; pass --force to replace it (members need the new one)")
         manifest = new_manifest(
             args.name,
             args.preset,
@@ -109,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             },
             data_source=args.data,
             initial_peers=args.initial_peers,
+            secret_file=secret_path.name if secret_path is not None else None,
         )
+        if secret_path is not None:
+            write_secret(secret_path)
         write_manifest(manifest, out)
     except SwarmError as e:
         print(f"swarm-init: error: {e}", file=sys.stderr)
@@ -138,6 +154,7 @@ def summarize(manifest: Manifest, path: Path) -> dict[str, Any]:
             for i, (layers, count) in enumerate(zip(manifest.stages, per_stage))
         ],
         "initial_peers": list(manifest.initial_peers),
+        "secret_file": str(path.parent / manifest.network.secret_file) if manifest.private else None,
     }
 
 
@@ -152,6 +169,11 @@ def print_summary(summary: dict[str, Any]) -> None:
         start, end = stage["layers"]
         table.add_row(str(stage["stage"]), f"{start}..{end - 1}", f"{stage['parameters'] / 1e6:.1f}M")
     console.print(table)
+    if summary["secret_file"]:
+        console.print(
+            f"wrote the swarm's secret to [bold]{escape(summary['secret_file'])}[/]: give it only to members, who "
+            "keep it next to the manifest",
+        )
     console.print("next: start the swarm's first peer; it writes its addresses into the manifest:")
     console.print(f"  swarm-peer --join {escape(summary['path'])} --new-swarm", highlight=False)
     console.print("then publish it (a web server, a repository, a gist); others join with:")

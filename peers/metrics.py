@@ -158,8 +158,10 @@ class PeerCollector(Collector):
         f.counter("swarm_received_bytes_total", received_doc, traffic.averaging_received, kind="averaging")
 
         errors_doc = (
-            "Errors, by kind: bad_request (a stage request refused as malformed), failed_averaging_round (an "
-            "averaging round of the stage that did not happen), failed_microbatch (the trainer dropped a microbatch)"
+            "Errors, by kind: bad_request (a stage request refused as malformed), busy (a request refused because "
+            "too many were in flight), banned (a request refused unread: its sender sent too many bad ones), "
+            "failed_averaging_round (an averaging round of the stage that did not happen or was dropped), "
+            "failed_microbatch (the trainer dropped a microbatch)"
         )
         if server is not None:
             stage = server.stage
@@ -227,6 +229,11 @@ class PeerCollector(Collector):
                 stage=stage,
             )
             f.counter("swarm_errors_total", errors_doc, server.bad_requests, kind="bad_request", stage=stage)
+            f.counter("swarm_errors_total", errors_doc, server.busy_replies, kind="busy", stage=stage)
+            f.counter("swarm_errors_total", errors_doc, server.banned_replies, kind="banned", stage=stage)
+            f.counter(
+                "swarm_stage_bans_total", "Peers this peer banned for bad requests", server.bans.total, stage=stage
+            )
             f.counter("swarm_errors_total", errors_doc, rounds.failed, kind="failed_averaging_round", stage=stage)
 
         trainer = self.trainer()

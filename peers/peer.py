@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             client_mode=not args.reachable,
             no_listen=args.no_listen,
             identity_path=identity_path,
+            secret=manifest.secret if manifest is not None else None,
         )
         device = runtime.resolve_device(args.device)
         if args.threads:
@@ -432,6 +433,9 @@ def print_progress(rebalancer: Rebalancer, trainer: Trainer | None, as_json: boo
         "optimizer_steps": server.optimizer_steps,
         "recomputed_forwards": server.recomputed_forwards,
         "bad_requests": server.bad_requests,
+        "busy_replies": server.busy_replies,
+        "banned_replies": server.banned_replies,
+        "bans": server.bans.total,
         "averaging_round": server.rounds.round,
         "averaging_rounds": server.rounds.rounds,
         "averaging_rounds_failed": server.rounds.failed,

@@ -17,6 +17,7 @@ from hivemind.p2p import P2P
 from swarm.errors import PeerStartError
 from swarm.manifest import Manifest, load_manifest
 from swarm.records import is_loopback
+from swarm.secret import SwarmSecret
 
 ALL_INTERFACES = ["/ip4/0.0.0.0/tcp/0"]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -90,8 +91,10 @@ def start_dht(
     startup_timeout: float = 20.0,
     no_listen: bool = False,
     identity_path: Path | None = None,
+    secret: SwarmSecret | None = None,
 ) -> DHT:
-    """Start a hivemind DHT node (its own process and p2pd daemon), turning failures into PeerStartError."""
+    """Start a hivemind DHT node (its own process and p2pd daemon), turning failures into PeerStartError.
+    With a private swarm's `secret`, the node talks only to nodes that hold it (see swarm/secret.py)."""
     for addrs, flag in ((host_maddrs, "--host-maddrs"), (announce_maddrs or [], "--announce-maddrs")):
         try:
             validate_multiaddrs_without_peer(addrs)
@@ -109,6 +112,7 @@ def start_dht(
             **({"no_listen": True} if no_listen else {}),
             # the peer checked that the identity is free itself (peers/identity.py), with a clearer error
             **({"identity_path": str(identity_path), "check_if_identity_free": False} if identity_path else {}),
+            **({"authorizer": secret.authorizer()} if secret is not None else {}),
         )
     except Exception as e:
         remove_stale_sockets(daemon_sockets() - sockets_before)

@@ -45,6 +45,7 @@ from swarm.averaging import (
     round_payload_bytes,
     swarm_samples_in_round,
 )
+from swarm.bans import Bans
 from swarm.checkpoint import save_checkpoint
 from swarm.errors import BadRequestError, ManifestError, RemoteStageError, SwarmError
 from swarm.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
@@ -64,7 +65,11 @@ from swarm.throughput import (
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "swarm"
-MAX_PENDING_REQUESTS = 64
+MAX_PENDING_REQUESTS = 64  # requests in flight (queued or running) before new ones get a prompt 'busy' reply
+MAX_PENDING_PER_CALLER = 16  # so that one caller (or a flood from one peer) cannot take every slot
+# A slow peer takes fewer: past this share of the forward timeout of expected queueing (requests in flight x
+# seconds per request), a new request would likely time out in the queue, so the caller is better off elsewhere.
+MAX_QUEUE_WAIT_SHARE = 0.5
 MAX_CONTROL_CALLS = 4  # state downloads served at once; each holds up to a stage's state in memory
 ACTIVATION_CACHE_BYTES = 1 << 30
 
@@ -171,6 +176,9 @@ class StageServer(ServicerBase):
         self.optimizer_steps = 0
         self.samples_served = 0
         self.bad_requests = 0  # counted in both threads; an occasional lost increment does not matter
+        self.busy_replies = 0  # requests refused because too many were in flight (or the peer was not online)
+        self.banned_replies = 0  # requests refused unread because their sender is banned
+        self.bans = Bans()  # peers that keep sending bad requests
         self.recomputed_forwards = 0  # backward passes that had to recompute forward (no usable activations)
         self._cache: OrderedDict[tuple[str, str], _CachedForward] = OrderedDict()
         self._stash: list[torch.Tensor] = []  # a copy of the current weights that optimizer steps never modify
@@ -179,6 +187,8 @@ class StageServer(ServicerBase):
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}")
         self._pending = 0
+        self._pending_by_caller: dict[str, int] = {}
+        self.seconds_per_request = 0.0  # EMA of the worker's time per request (0 until the first one)
         self._control_calls = 0
         self._handlers_added = False  # handlers are named by class, not object: never remove another server's
         self.state = "joining"
@@ -340,44 +350,50 @@ class StageServer(ServicerBase):
         self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
         # A stream holds memory while it arrives: it takes a request slot and has the forward timeout to finish.
-        if (refusal := self._refusal()) is not None:
+        caller = str(context.remote_id)
+        if (refusal := self._refusal(caller)) is not None:
             return refusal
-        self._pending += 1
+        self._take_slot(caller)
         try:
             combine = protocol.combine_message(requests, runtime_pb2.ExpertRequest, self.max_message_bytes)
             request = await asyncio.wait_for(combine, timeout=self.manifest.training.timeouts.forward)
         except (BadRequestError, TimeoutError) as e:
-            self.bad_requests += 1
-            return protocol.make_error_reply(str(e) or "the request stream did not finish in time", "bad_request")
+            return self._bad_request(caller, str(e) or "the request stream did not finish in time")
         finally:
-            self._pending -= 1
-        return await self._handle_remote(kind, request, str(context.remote_id))
+            self._release_slot(caller)
+        return await self._handle_remote(kind, request, caller)
 
     async def rpc_probe(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Bandwidth probe: take the request's payload, reply with `reply_bytes` bytes of zeros."""
+        caller = str(context.remote_id)
+        if (refusal := self._ban_refusal(caller)) is not None:
+            return refusal
         try:
-            metadata = protocol.decode_metadata(request, self.manifest)
+            metadata = protocol.decode_metadata(request, self.manifest, caller)
             reply_bytes = metadata.get("reply_bytes", 0)
             if not isinstance(reply_bytes, int) or not 0 <= reply_bytes <= PROBE_BYTES:
                 raise BadRequestError(f"reply_bytes must be an integer from 0 to {PROBE_BYTES}")
         except BadRequestError as e:
-            self.bad_requests += 1
-            return protocol.make_error_reply(str(e), "bad_request")
+            return self._bad_request(caller, str(e))
         return protocol.make_reply([torch.zeros(reply_bytes // 4)])
 
     async def rpc_download_state(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Stream this stage's parameters and optimizer statistics to a peer that starts serving the stage."""
+        caller = str(context.remote_id)
+        if (refusal := self._ban_refusal(caller)) is not None:
+            yield refusal
+            return
         try:
-            metadata = protocol.decode_metadata(request, self.manifest)
+            metadata = protocol.decode_metadata(request, self.manifest, caller)
             if metadata.get("stage") != self.stage:
                 raise BadRequestError(f"this peer serves stage {self.stage}, not {str(metadata.get('stage'))[:20]}")
         except BadRequestError as e:
-            self.bad_requests += 1
-            yield protocol.make_error_reply(str(e), "bad_request")
+            yield self._bad_request(caller, str(e))
             return
         if self.state != "online" or self._control_calls >= MAX_CONTROL_CALLS:
+            self.busy_replies += 1
             yield protocol.make_error_reply(f"this peer is {self.state} or busy; try another peer", "busy")
             return
         self._control_calls += 1
@@ -409,7 +425,13 @@ class StageServer(ServicerBase):
 
     async def rpc_manifest(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """The swarm's manifest as JSON, for a peer that joins by this peer's multiaddr (it cannot know the swarm
-        id yet, so the request carries nothing to check)."""
+        id yet, so the request carries nothing to check). A private swarm's peers do not hand it out: the
+        manifest names the secret's file, and a joiner needs that file anyway."""
+        if self.manifest.private:
+            return protocol.make_error_reply(
+                "this swarm is private: join it with its manifest file, next to the secret file the manifest names",
+                "bad_request",
+            )
         return runtime_pb2.ExpertResponse(
             metadata=protocol.MSGPackSerializer.dumps({"ok": True, "manifest": self.manifest.to_json()})
         )
@@ -433,26 +455,63 @@ class StageServer(ServicerBase):
         self.rounds.round = counters.get("averaging_round", 0)
         self.weights_version += 1
 
-    def _refusal(self) -> runtime_pb2.ExpertResponse | None:
+    def _ban_refusal(self, caller: str) -> runtime_pb2.ExpertResponse | None:
+        seconds = self.bans.banned_for(caller, time.monotonic())
+        if seconds <= 0:
+            return None
+        self.banned_replies += 1
+        return protocol.make_error_reply(
+            f"this peer bans you for {seconds:.0f} more seconds: you sent too many bad requests", "banned"
+        )
+
+    def _refusal(self, caller: str) -> runtime_pb2.ExpertResponse | None:
+        """A prompt reply instead of work: the caller is banned, this peer is not online, or too busy."""
+        if (refusal := self._ban_refusal(caller)) is not None:
+            return refusal
+        reason = None
         if self.state != "online":
-            return protocol.make_error_reply(f"this peer is {self.state}; try another peer", "busy")
-        if self._pending >= MAX_PENDING_REQUESTS:
-            return protocol.make_error_reply("too many requests in flight; try another peer", "busy")
-        return None
+            reason = f"this peer is {self.state}; try another peer"
+        elif self._pending >= MAX_PENDING_REQUESTS:
+            reason = "too many requests in flight; try another peer"
+        elif self._pending * self.seconds_per_request > MAX_QUEUE_WAIT_SHARE * self.manifest.training.timeouts.forward:
+            reason = f"a queue of about {self._pending * self.seconds_per_request:.1f} s here; try another peer"
+        elif self._pending_by_caller.get(caller, 0) >= MAX_PENDING_PER_CALLER:
+            reason = f"you have {MAX_PENDING_PER_CALLER} requests in flight here already; try another peer"
+        if reason is None:
+            return None
+        self.busy_replies += 1
+        return protocol.make_error_reply(reason, "busy")
+
+    def _bad_request(self, caller: str, message: str) -> runtime_pb2.ExpertResponse:
+        """Count a bad request against its sender (banning it if it keeps sending them) and answer it."""
+        self.bad_requests += 1
+        ban = self.bans.record_bad_request(caller, time.monotonic())
+        if ban:
+            logger.warning(f"banning peer {caller[-8:]} for {ban:.0f}s: too many bad requests (last: {message[:200]})")
+        return protocol.make_error_reply(message, "bad_request")
 
     async def handle(self, kind: str, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
         """Process one request; also called directly by this peer's own trainer (libp2p cannot dial itself)."""
-        if (refusal := self._refusal()) is not None:
+        if (refusal := self._refusal(caller)) is not None:
             return refusal
-        self._pending += 1
+        self._take_slot(caller)
         work = asyncio.get_running_loop().run_in_executor(self._executor, self._process, kind, request, caller)
         # The slot is freed when the work is done, not when the caller gives up: cancelled calls still occupy
         # the worker until their turn has passed.
-        work.add_done_callback(self._release_slot)
+        work.add_done_callback(lambda _: self._release_slot(caller))
         return await asyncio.shield(work)
 
-    def _release_slot(self, _: asyncio.Future) -> None:
+    def _take_slot(self, caller: str) -> None:
+        self._pending += 1
+        self._pending_by_caller[caller] = self._pending_by_caller.get(caller, 0) + 1
+
+    def _release_slot(self, caller: str) -> None:
         self._pending -= 1
+        left = self._pending_by_caller.get(caller, 1) - 1
+        if left > 0:
+            self._pending_by_caller[caller] = left
+        else:
+            self._pending_by_caller.pop(caller, None)
 
     # ---------------------------------------------------------------------------------------- checkpoints
 
@@ -590,6 +649,7 @@ class StageServer(ServicerBase):
             if averaged:
                 counters.rounds += 1
                 counters.weight_started_at = begin_served
+                logger.info(f"round {number} of stage {self.stage} applied: moved by {averager.last_change:.2%}")
         # the next count starts now (samples served during the round belong to it); after a failed round, with the
         # same round number
         if averaged or alone:
@@ -606,8 +666,17 @@ class StageServer(ServicerBase):
     # ---------------------------------------------------------------------------- work (worker thread only)
 
     def _process(self, kind: str, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
+        started = time.perf_counter()
         try:
-            req = protocol.decode_request(request, self.manifest, self.max_elements)
+            return self._work(kind, request, caller)
+        finally:
+            took = time.perf_counter() - started
+            previous = self.seconds_per_request
+            self.seconds_per_request = took if previous == 0 else 0.9 * previous + 0.1 * took
+
+    def _work(self, kind: str, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
+        try:
+            req = protocol.decode_request(request, self.manifest, self.max_elements, caller)
             if req.stage != self.stage:
                 raise WrongStageError(f"this peer serves stage {self.stage} now, not stage {req.stage}")
             self._forget_stale_forwards()
@@ -619,9 +688,8 @@ class StageServer(ServicerBase):
                 self.simulated.pad(begin, req.tensors[0].shape[0], share)
             return protocol.make_reply(outputs, self.manifest.training.activation_compression)
         except BadRequestError as e:
-            self.bad_requests += 1
             logger.info(f"bad {kind} request from {caller[-8:]}: {e}")
-            return protocol.make_error_reply(str(e), "bad_request")
+            return self._bad_request(caller, str(e))
         except UnknownMicrobatchError as e:
             return protocol.make_error_reply(str(e), "unknown_microbatch")
         except WrongStageError as e:
@@ -812,6 +880,8 @@ async def fetch_manifest(p2p: P2P, peer_id: str, timeout: float) -> str:
     stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
     reply = await asyncio.wait_for(stub.rpc_manifest(runtime_pb2.ExpertRequest(), timeout=timeout), timeout)
     metadata = protocol.MSGPackSerializer.loads(reply.metadata) if len(reply.metadata) < MAX_MANIFEST_BYTES else None
+    if isinstance(metadata, dict) and isinstance(metadata.get("error"), str):
+        raise RemoteStageError(metadata["error"][:500], "bad_request")
     text = metadata.get("manifest") if isinstance(metadata, dict) else None
     if not isinstance(text, str):
         raise RemoteStageError("the peer's reply holds no manifest", "internal")
@@ -824,6 +894,8 @@ async def manifest_from_peer(p2p: P2P, maddr: str) -> Manifest:
         return parse_manifest(await fetch_manifest(p2p, maddr.rsplit("/p2p/", 1)[1], timeout=15.0), origin="it")
     except ManifestError as e:
         raise ManifestError(f"the peer at {maddr} sent a manifest that is not valid: {e}") from None
+    except RemoteStageError as e:  # e.g. a private swarm's peer, which does not hand its manifest out
+        raise SwarmError(f"the peer at {maddr} did not hand out its manifest: {e}") from None
     except Exception as e:  # not a swarm peer, gone, or too slow
         raise SwarmError(
             f"could not get the manifest from the peer at {maddr} ({type(e).__name__}: {str(e)[:200]}); is it a "
@@ -836,7 +908,7 @@ async def probe_bandwidth(p2p: P2P, peer_id: str, manifest: Manifest, timeout: f
     stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
 
     async def exchange(upload_bytes: int, download_bytes: int) -> None:
-        request = protocol.make_control_request(manifest, reply_bytes=download_bytes)
+        request = protocol.make_control_request(manifest, manifest.proof(str(p2p.peer_id)), reply_bytes=download_bytes)
         if upload_bytes:
             request.tensors.append(protocol.encode_tensor(torch.zeros(upload_bytes // 4)))
         protocol.decode_reply(await stub.rpc_probe(request, timeout=timeout), PROBE_BYTES // 4)
@@ -855,7 +927,7 @@ async def download_state(
     (optimizer_steps, averaging_round). Raises RemoteStageError on a refusal or a malformed reply."""
     max_bytes = sum(4 * math.prod(shape) for shape in shapes.values()) + 64 * len(shapes) + 65536
     stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
-    request = protocol.make_control_request(manifest, stage=stage)
+    request = protocol.make_control_request(manifest, manifest.proof(str(p2p.peer_id)), stage=stage)
 
     async def fetch() -> runtime_pb2.ExpertResponse:
         parts = await stub.rpc_download_state(request)

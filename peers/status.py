@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                 "swarm's first peer wrote (swarm-peer --new-swarm), or --join the multiaddr of a running peer"
             )
         # a monitor accepts no connections: it only reads, over the connections it opens
-        dht = runtime.start_dht(initial_peers, [], client_mode=True, no_listen=True)
+        dht = runtime.start_dht(
+            initial_peers, [], client_mode=True, no_listen=True, secret=manifest.secret if manifest else None
+        )
         return asyncio.run(watch(args, manifest, dht))
     except SwarmError as e:
         print(f"peer-status: error: {e}", file=sys.stderr)

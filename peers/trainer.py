@@ -64,6 +64,8 @@ class Trainer:
         self.traffic = traffic if traffic is not None else Traffic()  # shared with the peer's servers
         self.local_server = local_server  # this peer's own stage server: called directly, not over the network
         self.dht, self.p2p, self.peer_id = dht, p2p, peer_id
+        # a private swarm's peers serve only its members (tests may leave p2p out)
+        self.proof = manifest.proof(str(p2p.peer_id)) if p2p is not None else None
         # a peer shares one view between its trainer and its rebalancer: one DHT refresh per announce period
         self.view = view or SwarmView(
             dht, manifest.swarm_id, manifest.num_stages, max_age=manifest.network.announce_period
@@ -259,7 +261,7 @@ class Trainer:
         timeout = min(
             timeouts.forward if kind == "forward" else timeouts.backward, max(deadline - time.monotonic(), 0.1)
         )
-        request = protocol.make_request(self.manifest, stage, microbatch_id, tensors, train=train)
+        request = protocol.make_request(self.manifest, stage, microbatch_id, tensors, train=train, proof=self.proof)
         if self.local_server is not None and peer_id == self.peer_id:
             reply = await asyncio.wait_for(self.local_server.handle(kind, request, self.peer_id), timeout)
         else:

@@ -29,6 +29,7 @@ import signal
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind detects streams by typing.AsyncIterator only)
 
 import torch
 from hivemind import DHT
@@ -40,12 +41,20 @@ from hivemind.compression import (
     SizeAdaptiveCompression,
     Uniform8BitQuantization,
 )
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MSGPackSerializer
 
 from swarm.errors import SwarmError
 from swarm.manifest import AveragingConfig, Manifest
+from swarm.secret import SwarmSecret
 
 logger = logging.getLogger(__name__)
 
+# A round that would move the stage's parameters by more than this fraction of their norm is dropped: honest
+# replicas drift apart by a few local steps between rounds (see docs/RELIABILITY.md for measured values), while a
+# contribution of NaN, Inf or absurd values from a faulty or malicious peer moves them far more.
+MAX_ROUND_CHANGE = 1.0
 MIN_8BIT_ELEMENTS = 1024  # smaller tensors (norms, biases) average in float16: an 8-bit codebook costs 1 KiB
 PART_SIZE_BYTES = 2**19  # hivemind's default: tensors travel in parts of up to this many (compressed) bytes
 _8BIT_PART_OVERHEAD = 8 + 4 * 256  # each 8-bit part carries its own codebook
@@ -112,6 +121,32 @@ def round_payload_bytes(numels: Sequence[int], compression: str, group_size: int
     return int(2 * (group_size - 1) / group_size * total)
 
 
+def gathered_proof(gather: bytes) -> Any:
+    """The membership proof in a join request's gathered data (hivemind packs it as [bandwidth, mode, user data];
+    ours is {"proof": ...}); None if there is none or the data is malformed."""
+    try:
+        user = MSGPackSerializer.loads(MSGPackSerializer.loads(gather)[2])
+        return user.get("proof") if isinstance(user, dict) else None
+    except Exception:
+        return None
+
+
+def round_change(
+    start: Sequence[torch.Tensor], result: Sequence[torch.Tensor], diloco: bool, anchor: Sequence[torch.Tensor]
+) -> float:
+    """How far a round's result would move the parameters, relative to their norm: in parameters mode the
+    distance from the parameters at the round's start to the average; in diloco mode the norm of the average
+    pseudo-gradient against the anchor's. NaN or Inf if the result holds any. Only the first len(start)
+    tensors (the parameters, not optimizer statistics) are compared."""
+    if diloco:
+        moved = sum(float(r.double().square().sum()) for r in result[: len(anchor)])
+        norm = sum(float(a.double().square().sum()) for a in anchor)
+    else:
+        moved = sum(float((r.double() - s.double()).square().sum()) for r, s in zip(result, start))
+        norm = sum(float(s.double().square().sum()) for s in start)
+    return math.sqrt(moved) / max(math.sqrt(norm), 1e-12)
+
+
 def averaging_compression(name: str) -> CompressionBase:
     if name == "float32":
         return NoCompression()
@@ -134,8 +169,10 @@ def outer_state_shapes(
 
 
 def averaging_prefix(manifest: Manifest, stage: int) -> str:
-    """The DHT prefix of a stage's rounds: only peers of the same swarm, stage and mode ever meet."""
-    return f"{manifest.swarm_id}_stage{stage}_{manifest.averaging.mode}"
+    """The DHT prefix of a stage's rounds: only peers of the same swarm, stage and mode ever meet (and in a
+    private swarm only those who know its secret can tell where they meet)."""
+    prefix = f"{manifest.swarm_id}_stage{stage}_{manifest.averaging.mode}"
+    return f"{prefix}_{manifest.secret.tag}" if manifest.secret is not None else prefix
 
 
 # ------------------------------------------------------------------------------------------------ I/O
@@ -143,7 +180,23 @@ def averaging_prefix(manifest: Manifest, stage: int) -> str:
 
 class _Averager(DecentralizedAverager):
     """hivemind's averager, which also closes its own connection to the p2p daemon when it stops (1.1.12 leaves
-    that connection's socket file behind in the temporary folder)."""
+    that connection's socket file behind in the temporary folder), and which, in a private swarm, lets into
+    the groups it leads only peers that prove they hold the swarm's secret."""
+
+    def __init__(self, *args, swarm_secret: SwarmSecret | None = None, **kwargs):
+        self.swarm_secret = swarm_secret  # set before the averager's process starts: it checks join requests
+        super().__init__(*args, **kwargs)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self.swarm_secret is not None and not self.swarm_secret.check(
+            str(context.remote_id), gathered_proof(request.gather)
+        ):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
 
     async def _shutdown(self, timeout: float | None) -> None:
         try:
@@ -179,11 +232,15 @@ class StageAverager:
         elif self.config.optimizer_state:
             _initialize_optimizer_state(params, optimizer)
         self._start: list[torch.Tensor] | None = None  # the averaged quantities as they were when the round began
+        self.last_change = 0.0  # how far the last applied round moved the parameters, relative to their norm
         buffers = [torch.zeros(tuple(q.shape), dtype=torch.float32) for q in self._quantities()]
         self.numels = [b.numel() for b in buffers]
+        self.secret = manifest.secret  # a private swarm's rounds admit only peers that prove they hold it
+        self._proof = manifest.proof(str(dht.peer_id))
         self._averager = _create_averager(
             buffers,
             dht,
+            swarm_secret=manifest.secret,
             start=True,
             prefix=averaging_prefix(manifest, stage),
             min_group_size=2,
@@ -233,7 +290,15 @@ class StageAverager:
             with self._averager.get_tensors() as buffers:
                 result = [b.clone() for b in buffers]
             if not all(torch.isfinite(r).all() for r in result):
-                raise AveragingError("the round's result holds NaN or Inf; it was dropped")
+                raise AveragingError("the round's result holds NaN or Inf (a peer contributed them); it was dropped")
+            params = len(self.params)
+            change = round_change(start[:params], result[:params], self.diloco, self.anchor if self.diloco else [])
+            self.last_change = change
+            if not change <= MAX_ROUND_CHANGE:
+                raise AveragingError(
+                    f"the round's result would move the parameters by {change:.3g} of their norm (at most "
+                    f"{MAX_ROUND_CHANGE:g} is plausible: a peer contributed absurd values); it was dropped"
+                )
         elif self.diloco and alone:
             result = [a - s for a, s in zip(self.anchor, start)]
         else:
@@ -255,11 +320,17 @@ class StageAverager:
     def run_round(self, weight: float, timeout: float) -> int:
         """Find a group and all-reduce the buffers; the group's size. Raises AveragingError on failure."""
         try:
-            gathered = self._averager.step(weight=max(float(weight), 1.0), timeout=timeout, allow_retries=False)
+            gathered = self._averager.step(
+                weight=max(float(weight), 1.0), timeout=timeout, allow_retries=False, gather={"proof": self._proof}
+            )
         except Exception as e:  # hivemind raises several types for a round that fell through
             raise AveragingError(f"the round failed: {type(e).__name__}: {e}") from None
         if not gathered:
             raise AveragingError("could not find a group (the stage's other peers did not join in time)")
+        if self.secret is not None:  # a group led by an outsider: its result must not be applied
+            for peer_id, data in gathered.items():
+                if not self.secret.check(str(peer_id), data.get("proof") if isinstance(data, dict) else None):
+                    raise AveragingError(f"peer {str(peer_id)[-8:]} took part without the swarm's secret; dropped")
         return len(gathered)
 
     # state ------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from multiaddr import Multiaddr
 
 from swarm import PROTOCOL_VERSION, __version__
 from swarm.errors import ManifestError
+from swarm.secret import SwarmSecret, read_secret
 
 OPTIMIZERS = ("adamw", "sgd")
 COMPRESSIONS = ("float32", "float16", "8bit")  # of activations and gradients between stages, and of averaging
@@ -76,6 +77,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class NetworkConfig:
     announce_period: float = 5.0
+    secret_file: str = ""  # a private swarm's secret is in this file (see swarm/secret.py); "": a public swarm
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,22 @@ class Manifest:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     initial_peers: tuple[str, ...] = ()
     protocol_version: int = PROTOCOL_VERSION
+    # a private swarm's secret, read from network.secret_file when the manifest is loaded; never written out
+    secret: SwarmSecret | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def private(self) -> bool:
+        return bool(self.network.secret_file)
+
+    def proof(self, peer_id: str) -> str | None:
+        """What a request from `peer_id` carries to prove membership of a private swarm (None: a public one)."""
+        if not self.private:
+            return None
+        if self.secret is None:
+            raise ManifestError(
+                "this swarm is private, but its secret was not loaded (load the manifest from its file)"
+            )
+        return self.secret.proof(peer_id)
 
     @property
     def num_stages(self) -> int:
@@ -135,7 +153,8 @@ class Manifest:
             "stages": {"count": self.num_stages, "layers": [list(r) for r in self.stages]},
             "training": dataclasses.asdict(self.training),
             "data": dataclasses.asdict(self.data),
-            "network": dataclasses.asdict(self.network),
+            # a public swarm's manifest does not mention the secret file (its swarm id stays as it was)
+            "network": {k: v for k, v in dataclasses.asdict(self.network).items() if k != "secret_file" or v},
             "balancing": dataclasses.asdict(self.balancing),
             "averaging": dataclasses.asdict(self.averaging),
         }
@@ -191,8 +210,18 @@ def load_manifest(source: str | Path, timeout: float = URL_TIMEOUT) -> Manifest:
                 "changed since the URL was published (or the URL is wrong); ask the swarm's creator for the "
                 "current URL"
             )
+        return with_secret(manifest, Path.cwd())
+    path = Path(source)
+    return with_secret(_load_manifest_file(path), path.parent)
+
+
+def with_secret(manifest: Manifest, base: Path) -> Manifest:
+    """The manifest with its secret loaded, if it names a secret file (a relative path is relative to `base`:
+    the manifest file's folder, or the current folder for a manifest from a URL)."""
+    if not manifest.private:
         return manifest
-    return _load_manifest_file(Path(source))
+    path = base / Path(manifest.network.secret_file).expanduser()
+    return dataclasses.replace(manifest, secret=read_secret(path))
 
 
 def _split_swarm_id(url: str) -> tuple[str, str | None]:
@@ -330,7 +359,13 @@ def manifest_from_dict(raw: Any) -> Manifest:
     d.no_unknown()
 
     n = obj.section("network", optional=True)
-    network = NetworkConfig(announce_period=n.number("announce_period", default=5.0, minimum=0.2, maximum=600.0))
+    secret_file = n.string("secret_file") if n.get("secret_file", "") != "" else ""
+    if len(secret_file) > 1024 or not secret_file.isprintable():
+        raise ManifestError("network.secret_file: must be a path of at most 1024 printable characters")
+    network = NetworkConfig(
+        announce_period=n.number("announce_period", default=5.0, minimum=0.2, maximum=600.0),
+        secret_file=secret_file,
+    )
     n.no_unknown()
 
     b = obj.section("balancing", optional=True)

@@ -70,6 +70,7 @@ def new_manifest(
     averaging: dict[str, Any] | None = None,
     data_source: str | None = None,
     initial_peers: list[str] | None = None,
+    secret_file: str | None = None,
 ) -> Manifest:
     """A validated manifest from a preset, with explicit settings (None = the preset's) laid over it."""
     if preset not in PRESETS:
@@ -89,7 +90,7 @@ def new_manifest(
         "stages": {"count": count},
         "training": raw_training,
         "data": {"source": data_source or "stdlib"},
-        "network": dict(base.network),
+        "network": {**base.network, **({"secret_file": secret_file} if secret_file else {})},
         "averaging": {**base.averaging, **(averaging or {})},
         "initial_peers": list(initial_peers or []),
     }

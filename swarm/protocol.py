@@ -10,8 +10,8 @@ Forward request:   tensors [inputs] or, on the last stage, [inputs, targets]; me
 Forward reply:     [outputs] on other stages; on the last stage [loss] or, when training, [loss, grad_inputs].
 Backward request:  tensors [grad_outputs] or [grad_outputs, inputs] (inputs let any peer recompute forward).
 Backward reply:    [grad_inputs], or no tensor on stage 0 (its inputs are tokens).
-Error reply:       no tensors; metadata {error: message, code: bad_request | busy | unknown_microbatch |
-                   wrong_stage | internal}.
+Error reply:       no tensors; metadata {error: message, code: bad_request | busy | banned |
+                   unknown_microbatch | wrong_stage | internal}.
 
 Every request names the stage it is meant for: a peer that has moved to another stage answers `wrong_stage`
 instead of applying, say, a gradient of stage 1 to the weights of stage 2 (their shapes can be equal).
@@ -55,7 +55,7 @@ _BYTES_PER_ELEMENT = {
 
 Message = TypeVar("Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 
-ERROR_CODES = ("bad_request", "busy", "unknown_microbatch", "wrong_stage", "internal")
+ERROR_CODES = ("bad_request", "busy", "banned", "unknown_microbatch", "wrong_stage", "internal")
 
 
 @dataclass
@@ -80,8 +80,14 @@ def encode_tensor(tensor: torch.Tensor, compression: str = "float32") -> runtime
 
 
 def make_request(
-    manifest: Manifest, stage: int, microbatch_id: str, tensors: list[torch.Tensor], train: bool = True
+    manifest: Manifest,
+    stage: int,
+    microbatch_id: str,
+    tensors: list[torch.Tensor],
+    train: bool = True,
+    proof: str | None = None,
 ) -> runtime_pb2.ExpertRequest:
+    """A forward or backward request; `proof` (manifest.proof(sender's peer id)) is needed in a private swarm."""
     metadata = {
         "swarm_id": manifest.swarm_id,
         "protocol_version": PROTOCOL_VERSION,
@@ -89,6 +95,8 @@ def make_request(
         "microbatch_id": microbatch_id,
         "train": train,
     }
+    if proof is not None:
+        metadata["proof"] = proof
     compression = manifest.training.activation_compression
     return runtime_pb2.ExpertRequest(
         tensors=[encode_tensor(t, compression) for t in tensors], metadata=MSGPackSerializer.dumps(metadata)
@@ -156,9 +164,11 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
         raise BadRequestError(f"{name}: cannot be deserialized ({type(e).__name__})") from None
 
 
-def decode_request(request: runtime_pb2.ExpertRequest, manifest: Manifest, max_elements: int) -> StageRequest:
+def decode_request(
+    request: runtime_pb2.ExpertRequest, manifest: Manifest, max_elements: int, sender: str
+) -> StageRequest:
     """Validate the metadata and tensor headers of a request (not yet its shapes against the stage)."""
-    metadata = decode_metadata(request, manifest)
+    metadata = decode_metadata(request, manifest, sender)
     stage = metadata.get("stage")
     if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < manifest.num_stages:
         raise BadRequestError(f"stage must be an integer from 0 to {manifest.num_stages - 1}")
@@ -174,8 +184,9 @@ def decode_request(request: runtime_pb2.ExpertRequest, manifest: Manifest, max_e
     return StageRequest(stage=stage, microbatch_id=microbatch_id, train=train, tensors=tensors)
 
 
-def decode_metadata(request: runtime_pb2.ExpertRequest, manifest: Manifest) -> dict:
-    """The metadata dictionary of a request, after checking its swarm id and protocol version."""
+def decode_metadata(request: runtime_pb2.ExpertRequest, manifest: Manifest, sender: str) -> dict:
+    """The metadata dictionary of a request, after checking its swarm id, protocol version and, in a private
+    swarm, that `sender` (the peer id libp2p authenticated) proved that it holds the swarm's secret."""
     try:
         metadata = MSGPackSerializer.loads(request.metadata)
     except Exception:
@@ -191,12 +202,19 @@ def decode_metadata(request: runtime_pb2.ExpertRequest, manifest: Manifest) -> d
             f"protocol version {str(metadata.get('protocol_version'))[:20]!r} is not supported: this peer speaks "
             f"{PROTOCOL_VERSION}"
         )
+    if manifest.private and not (manifest.secret is not None and manifest.secret.check(sender, metadata.get("proof"))):
+        raise BadRequestError(
+            "this swarm is private: your request carries no valid proof that you hold its secret (the file the "
+            "manifest's network.secret_file names)"
+        )
     return metadata
 
 
-def make_control_request(manifest: Manifest, **fields) -> runtime_pb2.ExpertRequest:
+def make_control_request(manifest: Manifest, proof: str | None = None, **fields) -> runtime_pb2.ExpertRequest:
     """A request that carries no stage tensors: a bandwidth probe or a request for the stage's state."""
     metadata = {"swarm_id": manifest.swarm_id, "protocol_version": PROTOCOL_VERSION, **fields}
+    if proof is not None:
+        metadata["proof"] = proof
     return runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps(metadata))
 
 

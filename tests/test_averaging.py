@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -18,7 +19,7 @@ from swarm.averaging import (
     round_payload_bytes,
     swarm_samples_in_round,
 )
-from swarm.manifest import manifest_from_dict
+from swarm.manifest import load_manifest, manifest_from_dict
 from swarm.model import build_stage
 
 # ------------------------------------------------------------------------------------------- pure logic
@@ -198,4 +199,100 @@ def test_optimizer_state_is_averaged_when_the_manifest_says_so(dhts):
                 assert torch.allclose(state["exp_avg_sq"], torch.full_like(p, 1.5))
     finally:
         for _, averager in replicas:
+            averager.shutdown()
+
+
+# ------------------------------------------------------------------------------------- hostile replicas
+
+
+def _train_step(params, averager, seed):
+    """One local optimizer step on a made-up loss: a replica that keeps training."""
+    torch.manual_seed(seed)
+    loss = sum((p * torch.randn_like(p)).sum() for p in params)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    averager.optimizer.step()
+    averager.optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), 1e6])
+def test_a_malicious_replica_cannot_poison_the_honest_ones(dhts, poison):
+    manifest = _manifest(mode="parameters", compression="float32")
+    replicas = _replicas(manifest, dhts(3), seeds=[1, 2, 3])
+    honest, (_, attacker) = replicas[:2], replicas[2]
+    try:
+        before = [[p.detach().clone() for p in params] for params, _ in honest]
+        for _, averager in replicas:
+            averager.begin_round()
+        with attacker._averager.get_tensors() as buffers:  # what a malicious peer sends instead of its parameters
+            for buffer in buffers:
+                buffer.fill_(poison)
+        errors: list[Exception] = []
+
+        def run(averager, weight):
+            try:
+                averager.run_round(weight, timeout=15)
+            except AveragingError as e:
+                errors.append(e)
+
+        # the attacker also claims a huge weight, to dominate the average
+        threads = [threading.Thread(target=run, args=(a, w)) for (_, a), w in zip(replicas, [1.0, 1.0, 1e6])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, errors  # the round itself ran: the poison is in its result
+        for (params, averager), previous in zip(honest, before):
+            with pytest.raises(AveragingError, match="NaN or Inf|absurd"):
+                averager.finish_round(averaged=True)
+            assert _distance([p.detach() for p in params], previous) == 0  # dropped: nothing applied
+            assert all(torch.isfinite(p).all() for p in params)
+        attacker.finish_round(averaged=False)
+
+        # the honest replicas keep training, and average with each other
+        for k, (params, averager) in enumerate(honest):
+            _train_step(params, averager, seed=k)
+        assert _run_round(honest, [1.0, 1.0]) == [2, 2]
+        assert all(torch.isfinite(p).all() for params, _ in honest for p in params)
+        assert _distance(honest[0][0], honest[1][0]) < 1e-4
+        assert all(0 < averager.last_change < 1 for _, averager in honest)
+    finally:
+        for _, averager in replicas:
+            averager.shutdown()
+
+
+def test_rounds_of_a_private_swarm_admit_no_outsider(dhts, tmp_path):
+    """An outsider that even knows where the members meet (the prefix) but cannot prove that it holds the secret
+    is refused by a member that leads the group, and a member that joins the outsider's group drops the round."""
+    (tmp_path / "secret").write_text("a" * 64)
+    raw = tiny_manifest_dict(network={"secret_file": "secret"})
+    raw["averaging"] = {"matchmaking_time": 2.0, "timeout": 20.0, "mode": "parameters", "compression": "float32"}
+    manifest_path = tmp_path / "manifest.json"
+    manifest_path.write_text(json.dumps(raw))
+    manifest = load_manifest(manifest_path)
+    # plain DHTs (no authorizer): this tests the averaging's own check, as if the outsider got past the DHT's
+    ((params, member), (_, outsider)) = _replicas(manifest, dhts(2), seeds=[1, 2])
+    outsider._proof = "0" * 32  # the worst case: the outsider meets under the members' prefix, without the secret
+    try:
+        before = [p.detach().clone() for p in params]
+        for averager in (member, outsider):
+            averager.begin_round()
+        errors: dict[str, Exception] = {}
+
+        def run(name, averager):
+            try:
+                averager.run_round(1.0, timeout=8)
+            except AveragingError as e:
+                errors[name] = e
+
+        threads = [threading.Thread(target=run, args=a) for a in (("member", member), ("outsider", outsider))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert "member" in errors  # no group with the outsider, or a group whose result it dropped
+        member.finish_round(averaged=False)
+        assert _distance([p.detach() for p in params], before) == 0
+    finally:
+        for averager in (member, outsider):
             averager.shutdown()

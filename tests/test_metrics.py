@@ -102,7 +102,7 @@ def test_peer_serves_metrics_while_training(start_peer, write_manifest, tmp_path
     assert value(after, "swarm_sent_bytes_total", kind="activations") > 0
     assert value(after, "swarm_received_bytes_total", kind="activations") > 0
     errors = {s.labels["kind"]: s.value for s in after if s.name == "swarm_errors_total"}
-    assert set(errors) == {"bad_request", "failed_averaging_round", "failed_microbatch"}, errors
+    assert set(errors) == {"bad_request", "busy", "banned", "failed_averaging_round", "failed_microbatch"}, errors
     assert errors["bad_request"] == 0
     assert not [s for s in after if s.name.startswith("swarm_stage_") and s.labels.get("stage") != "1"]
 

@@ -1,0 +1,528 @@
+"""Load benchmark: one stage peer under many concurrent trainers, past its queue limit.
+
+    python benchmarks/load.py [--duration 60] [--clients 8] [--concurrency 16] [--manifest PATH]
+
+Starts one `swarm-peer` process serving the last stage (no trainer, 1 thread, loopback only), then sends it
+training forwards ([inputs, targets]; the last stage runs backward and an optimizer step within forward) over
+the real RPC path: `--clients` hivemind P2P identities in this process, each with `--concurrency` tasks that
+send one request after another. By default they keep 128 requests in flight, twice the peer's queue limit
+(peers.server.MAX_PENDING_REQUESTS), and each client no more than the peer's limit per caller, so that part of
+them get 'busy' replies because the queue is full; a task that gets one waits as a trainer does when no other
+peer of the stage is free (peers.trainer.NO_PEER_WAIT), then sends again.
+
+Prints one JSON line: requests sent, served, busy (and the peer's reasons), other error replies by code and
+exceptions by type (the goal is no error but 'busy'), served per second, p50/p99 latency of served requests
+and of busy replies (which must be prompt), and the memory of the peer's processes (its process group: the
+peer, its DHT and averager processes, its p2pd daemon; and torch_shm_manager, which starts a group of its own),
+the sum of their VmRSS sampled every 0.5 s: before the load, at its peak, and the mean of the first and last
+20% of the run, to show whether it grows. Progress goes to stderr every 10 seconds. The default model is the
+tiny preset's (the demo's, 2 stages); --keep-logs keeps the peer's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from hivemind.p2p import P2P
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from peers import runtime, server  # noqa: E402
+from peers.server import MAX_PENDING_REQUESTS, call_stage  # noqa: E402
+from peers.trainer import NO_PEER_WAIT  # noqa: E402
+from swarm import protocol  # noqa: E402
+from swarm.errors import RemoteStageError  # noqa: E402
+from swarm.manifest import Manifest, manifest_from_dict  # noqa: E402
+from swarm.presets import new_manifest  # noqa: E402
+
+MEMORY_PERIOD = 0.5  # seconds between two samples of the peer's memory
+PROGRESS_PERIOD = 10.0
+START_TIMEOUT = 120.0  # for the peer to print "serving stage" (2 busy cores make it slow)
+BATCHES_PER_CLIENT = 8  # distinct random microbatches each client cycles through
+RAMP = 1.0  # seconds over which the tasks send their first request: trainers do not all start at once
+LAG_PERIOD = 0.05  # seconds between two looks at this process's event loop lag
+EDGE_SHARE = 0.2  # memory at the start vs the end: mean of the first and last 20% of the samples
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")
+    parser.add_argument("--clients", type=int, default=8, help="P2P identities sending requests (default 8)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight per client (default 16)")
+    parser.add_argument("--manifest", default=None, help="swarm manifest (default: a tiny 2-stage model)")
+    parser.add_argument(
+        "--busy-wait",
+        type=float,
+        default=NO_PEER_WAIT,
+        help=f"seconds a task waits after a busy reply (default {NO_PEER_WAIT}, as a trainer with no other peer)",
+    )
+    parser.add_argument("--keep-logs", action="store_true", help="keep the peer's log and print its folder")
+    args = parser.parse_args(argv)
+    if args.duration <= 0 or args.clients < 1 or args.concurrency < 1 or args.busy_wait < 0:
+        parser.error("--duration must be positive, --clients and --concurrency at least 1, --busy-wait not negative")
+    return args
+
+
+def load_benchmark_manifest(path: str | None) -> Manifest:
+    """The manifest, without initial peers: the peer starts a swarm of its own and contacts nobody."""
+    if path is None:
+        return new_manifest("load-benchmark", "tiny")  # the demo's model
+    return manifest_from_dict({**json.loads(Path(path).read_text()), "initial_peers": []})
+
+
+# ---------------------------------------------------------------------------------------------- the peer
+
+
+def start_peer(manifest_path: Path, stage: int, folder: Path, duration: float) -> subprocess.Popen:
+    """A swarm-peer serving `stage`, in its own session (process group), its output in folder/peer.log."""
+    args = ["--join", str(manifest_path), "--stage", str(stage), "--no-trainer"]
+    args += ["--host-maddrs", runtime.LOOPBACK[0], "--threads", "1", "--json", "--throughput", "100"]
+    args += ["--checkpoint-dir", str(folder / "checkpoints"), "--checkpoint-every", "0"]
+    args += ["--duration", str(duration + 600)]  # an orphaned peer (this process killed) stops by itself
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_CACHE_DIR": str(folder / "cache")}
+    with open(folder / "peer.log", "wb") as log:  # the child keeps its own copy of the file descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "peers.peer", *args],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+
+
+def wait_for_log(peer: subprocess.Popen, log: Path, pattern: str, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if match := re.search(pattern, log.read_text(errors="replace")):
+            return match
+        if peer.poll() is not None:
+            break
+        time.sleep(0.2)
+    tail = log.read_text(errors="replace")[-3000:]
+    raise RuntimeError(f"the peer did not print {pattern!r} (exit code {peer.poll()}); its log ends:\n{tail}")
+
+
+def live_processes() -> dict[int, list[str]]:
+    """The fields after the name in /proc/PID/stat (state, ppid, pgid, ...) of every process but zombies."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if fields[0] != "Z":
+            found[int(stat.parent.name)] = fields
+    return found
+
+
+def group_members(pgid: int) -> list[int]:
+    return [pid for pid, fields in live_processes().items() if int(fields[2]) == pgid]
+
+
+def peer_processes(pgid: int) -> dict[int, list[str]]:
+    """The group's processes and their descendants outside it (torch_shm_manager starts a session of its own)."""
+    every = live_processes()
+    found = {pid: fields for pid, fields in every.items() if int(fields[2]) == pgid}
+    while more := {pid: fields for pid, fields in every.items() if int(fields[1]) in found and pid not in found}:
+        found.update(more)
+    return found
+
+
+def peer_rss(pgid: int) -> dict[str, float]:
+    """MB of resident memory of each of the peer's processes, by '<name> <pid>'."""
+    found = {}
+    for pid in peer_processes(pgid):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        name = re.search(r"^Name:\s*(\S+)", status, re.M)
+        rss = re.search(r"^VmRSS:\s*(\d+) kB", status, re.M)
+        if name and rss:  # a process that is exiting has no VmRSS
+            found[f"{name.group(1)} {pid}"] = int(rss.group(1)) / 1024
+    return found
+
+
+def peer_cpu_seconds(pgid: int) -> float:
+    """CPU time (user and system) that the peer's live processes have used so far."""
+    ticks = sum(int(fields[11]) + int(fields[12]) for fields in peer_processes(pgid).values())  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def sample_memory(pgid: int, samples: list[tuple[float, float]], stop: threading.Event) -> None:
+    """Append (time, MB of all the peer's processes) every MEMORY_PERIOD until `stop`; a thread, so that a busy event loop
+    does not delay the samples."""
+    while not stop.is_set():
+        samples.append((time.monotonic(), sum(peer_rss(pgid).values())))
+        stop.wait(MEMORY_PERIOD)
+
+
+def socket_files(pgid: int) -> set[Path]:
+    """Unix socket files that the peer's processes have open (a killed p2pd cannot remove its own)."""
+    inodes = set()
+    for pid in peer_processes(pgid):
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    paths = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
+            paths.add(Path(fields[7]))
+    return paths
+
+
+def stop_peer(peer: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM (a clean shutdown, which shows whether the peer still stops well after the load), then SIGKILL
+    whatever is left of its group and of its descendants outside it, and remove the socket files a kill leaves."""
+    sockets = socket_files(peer.pid)
+    # descendants in other groups, by (pid, start time): a pid reused meanwhile is not theirs
+    strays = {(pid, fields[19]) for pid, fields in peer_processes(peer.pid).items() if int(fields[2]) != peer.pid}
+    if peer.poll() is None:
+        peer.send_signal(signal.SIGTERM)
+        try:
+            peer.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            print(f"the peer did not stop within {grace:.0f}s of SIGTERM; killing its group", file=sys.stderr)
+    try:
+        os.killpg(peer.pid, signal.SIGKILL)  # the session leader's pid is the group id
+    except ProcessLookupError:
+        pass
+    peer.wait()
+    deadline = time.monotonic() + 5  # torch_shm_manager exits by itself once its clients are gone
+    left = strays
+    while time.monotonic() < deadline:
+        alive = live_processes()
+        left = {(pid, start) for pid, start in strays if pid in alive and alive[pid][19] == start}
+        if not group_members(peer.pid) and not left:
+            break
+        time.sleep(0.1)
+    for pid, _ in left:
+        print(f"killing process {pid}, left behind by the peer", file=sys.stderr)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for path in sockets:
+        path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------- the load
+
+
+class Tally:
+    """What the clients saw: latencies of served requests and of busy replies, and every other outcome."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.served: list[tuple[float, float]] = []  # (completion time, latency in seconds)
+        self.busy: list[float] = []  # latencies in seconds
+        self.busy_reasons: collections.Counter[str] = collections.Counter()  # the peer's messages
+        self.error_replies: collections.Counter[str] = collections.Counter()
+        self.exceptions: collections.Counter[str] = collections.Counter()
+        self.examples: dict[str, str] = {}  # one message per kind of failure, for stderr
+        self.loop_lags: list[float] = []  # seconds this process's event loop woke up late
+
+
+async def client_task(
+    p2p: P2P,
+    peer_id: str,
+    manifest: Manifest,
+    stage: int,
+    batches: list[list[torch.Tensor]],
+    name: str,
+    tally: Tally,
+    end: float,
+    busy_wait: float,
+    delay: float,
+) -> None:
+    """Send forwards one after another from `delay` seconds on until `end`, as a trainer that keeps one
+    microbatch in flight."""
+    await asyncio.sleep(delay)
+    timeout = manifest.training.timeouts.forward
+    reply_elements = protocol.max_request_elements(manifest)
+    expected_batch = batches[0][0].shape[0]
+    n = 0
+    while time.monotonic() < end:
+        request = protocol.make_request(manifest, stage, f"{name}-{n}", batches[n % len(batches)], train=True)
+        n += 1
+        tally.sent += 1
+        begin = time.monotonic()
+        try:
+            reply = await call_stage(p2p, peer_id, "forward", request, timeout, reply_elements)
+            outputs = protocol.decode_reply(reply, reply_elements)
+            if len(outputs) != 2 or outputs[1].shape[0] != expected_batch:  # [loss, grad_inputs]
+                raise RemoteStageError(f"malformed reply: {[list(t.shape) for t in outputs]}", "malformed_reply")
+        except RemoteStageError as e:
+            latency = time.monotonic() - begin
+            if e.code == "busy":
+                tally.busy.append(latency)
+                tally.busy_reasons[str(e)[:80]] += 1
+                await asyncio.sleep(busy_wait)
+            else:
+                tally.error_replies[e.code] += 1
+                tally.examples.setdefault(e.code, str(e)[:300])
+            continue
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # timeouts and transport errors: what this benchmark must not see
+            kind = type(e).__name__
+            tally.exceptions[kind] += 1
+            tally.examples.setdefault(kind, repr(e)[:300])
+            continue
+        now = time.monotonic()
+        tally.served.append((now, now - begin))
+
+
+async def watch_loop_lag(lags: list[float]) -> None:
+    """How late this process's event loop wakes up: latencies measured here include that much of our own delay."""
+    while True:
+        begin = time.monotonic()
+        await asyncio.sleep(LAG_PERIOD)
+        lags.append(time.monotonic() - begin - LAG_PERIOD)
+
+
+async def report_progress(tally: Tally, start: float, memory: list[tuple[float, float]], rates: list[float]) -> None:
+    served_before, then = 0, start
+    while True:
+        await asyncio.sleep(PROGRESS_PERIOD)
+        now, served = time.monotonic(), len(tally.served)
+        rates.append((served - served_before) / (now - then))
+        served_before, then = served, now
+        failures = sum(tally.error_replies.values()) + sum(tally.exceptions.values())
+        rss = f"{memory[-1][1]:.0f} MB" if memory else "-"
+        print(
+            f"{now - start:5.0f}s: {tally.sent} sent, {served} served ({rates[-1]:.1f}/s), {len(tally.busy)} busy, "
+            f"{failures} other failures; peer RSS {rss}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+async def run_load(
+    manifest: Manifest, stage: int, maddr: str, args: argparse.Namespace, memory: list[tuple[float, float]]
+) -> tuple[Tally, float, list[float], float]:
+    """Drive the peer at `maddr` for args.duration seconds. (tally, start, served/s per progress period, elapsed)"""
+    peer_id = maddr.rsplit("/p2p/", 1)[1]
+    config, training = manifest.model, manifest.training
+    shape = (training.microbatch_size, config.context_length)
+    generator = torch.Generator().manual_seed(0)
+    clients: list[P2P] = []
+    tally = Tally()
+    try:
+        for _ in range(args.clients):
+            clients.append(await P2P.create(initial_peers=[maddr], host_maddrs=runtime.LOOPBACK))
+        # one request first: a peer that cannot be reached at all fails here, with its reason
+        probe = [torch.randn(*shape, config.width), torch.zeros(shape, dtype=torch.int64)]
+        request = protocol.make_request(manifest, stage, "warmup", probe, train=True)
+        elements = protocol.max_request_elements(manifest)
+        protocol.decode_reply(await call_stage(clients[0], peer_id, "forward", request, 30.0, elements), elements)
+
+        start = time.monotonic()
+        end = start + args.duration
+        rates: list[float] = []
+        progress = asyncio.create_task(report_progress(tally, start, memory, rates))
+        lag = asyncio.create_task(watch_loop_lag(tally.loop_lags))
+        tasks = []
+        for c, p2p in enumerate(clients):
+            batches = [
+                [
+                    torch.randn(*shape, config.width, generator=generator),
+                    torch.randint(0, config.vocab_size, shape, generator=generator),
+                ]
+                for _ in range(BATCHES_PER_CLIENT)
+            ]
+            for t in range(args.concurrency):
+                delay = RAMP * (t * args.clients + c) / (args.clients * args.concurrency)
+                name = f"c{c}t{t}"
+                task = client_task(p2p, peer_id, manifest, stage, batches, name, tally, end, args.busy_wait, delay)
+                tasks.append(asyncio.create_task(task))
+        await asyncio.gather(*tasks)  # each ends after its last request, at most a timeout past `end`
+        elapsed = time.monotonic() - start
+        for task in (progress, lag):
+            task.cancel()
+        await asyncio.gather(progress, lag, return_exceptions=True)
+        return tally, start, rates, elapsed
+    finally:
+        for p2p in clients:
+            try:
+                await asyncio.wait_for(p2p.shutdown(), timeout=10)
+            except Exception as e:  # its daemon is our child: it ends with this process anyway
+                print(f"shutting a client's p2p down failed: {e!r}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------- figures
+
+
+def percentiles_ms(latencies: list[float]) -> dict[str, float | None]:
+    if not latencies:
+        return {"p50": None, "p99": None, "max": None}
+    p50, p99 = np.percentile(latencies, [50, 99])
+    return {"p50": round(p50 * 1000, 1), "p99": round(p99 * 1000, 1), "max": round(max(latencies) * 1000, 1)}
+
+
+def memory_figures(samples: list[tuple[float, float]], start: float, end: float, before: float) -> dict:
+    """Peak, and the mean of the first and last EDGE_SHARE of the load's samples (flat memory: growth near 0)."""
+    during = [mb for t, mb in samples if start <= t <= end]
+    if not during:
+        return {"before_load_mb": round(before, 1), "samples": 0}
+    edge = max(1, int(len(during) * EDGE_SHARE))
+    first, last = float(np.mean(during[:edge])), float(np.mean(during[-edge:]))
+    return {
+        "before_load_mb": round(before, 1),
+        "peak_mb": round(max(mb for _, mb in samples), 1),
+        "first_20pct_mean_mb": round(first, 1),
+        "last_20pct_mean_mb": round(last, 1),
+        "growth_mb": round(last - first, 1),
+        "samples": len(during),
+    }
+
+
+def peer_log_figures(log: Path) -> dict:
+    """What the peer itself counted and complained about (its last JSON status line is printed as it stops)."""
+    text = log.read_text(errors="replace")
+    status = {}
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                status = json.loads(line)
+            except json.JSONDecodeError:
+                pass
+    problems = [line for line in text.splitlines() if re.search(r" (WARNING|ERROR|CRITICAL) |Traceback", line)]
+    for line in problems[:10]:
+        print(f"peer log: {line[:300]}", file=sys.stderr)
+    return {
+        "samples_served": status.get("samples_served"),
+        "bad_requests": status.get("bad_requests"),
+        "busy_replies": status.get("busy_replies"),  # newer peers count them
+        "warning_or_error_lines": len(problems),
+        "stopped_cleanly": "stopped cleanly" in text,
+    }
+
+
+def interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"received signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, interrupt)  # a benchmark stopped with SIGTERM still stops its peer
+    runtime.setup_logging("WARNING")
+    torch.set_num_threads(1)  # the peer needs the cores more than the clients
+    manifest = load_benchmark_manifest(args.manifest)
+    stage = manifest.num_stages - 1  # forward there is forward, backward and an optimizer step: the most work
+    folder = Path(tempfile.mkdtemp(prefix="swarm-load-"))
+    manifest_path = folder / "manifest.json"
+    manifest_path.write_text(manifest.to_json())
+    log = folder / "peer.log"
+    peer: subprocess.Popen | None = None
+    memory: list[tuple[float, float]] = []
+    stop_sampling = threading.Event()
+    try:
+        peer = start_peer(manifest_path, stage, folder, args.duration)
+        wait_for_log(peer, log, r"serving stage", START_TIMEOUT)
+        maddr = wait_for_log(peer, log, r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", 5.0).group(1)
+        before = sum(peer_rss(peer.pid).values())
+        sampler = threading.Thread(target=sample_memory, args=(peer.pid, memory, stop_sampling), daemon=True)
+        sampler.start()
+        print(
+            f"peer {maddr} serves stage {stage}; {args.clients} clients x {args.concurrency} requests in flight "
+            f"against a queue of {MAX_PENDING_REQUESTS}, for {args.duration:.0f}s",
+            file=sys.stderr,
+            flush=True,
+        )
+        cpu_before, own_before, wall_before = peer_cpu_seconds(peer.pid), own_cpu_seconds(), time.monotonic()
+        tally, start, rates, elapsed = asyncio.run(run_load(manifest, stage, maddr, args, memory))
+        wall = time.monotonic() - wall_before  # with the clients' start and the warm-up: a few seconds of little work
+        peer_cpu = (peer_cpu_seconds(peer.pid) - cpu_before) / wall
+        own_cpu = (own_cpu_seconds() - own_before) / wall
+        by_process = peer_rss(peer.pid)
+    finally:
+        stop_sampling.set()
+        if peer is not None:
+            stop_peer(peer)
+            peer_figures = peer_log_figures(log)  # also when the run failed: its warnings go to stderr
+        if args.keep_logs:
+            print(f"peer log: {log}", file=sys.stderr)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+    end = start + args.duration
+    for kind, message in tally.examples.items():
+        print(f"{kind}: {message}", file=sys.stderr)
+    served = len(tally.served)
+    summary = {
+        "settings": {
+            "clients": args.clients,
+            "concurrency_per_client": args.concurrency,
+            "in_flight": args.clients * args.concurrency,
+            "queue_limit": MAX_PENDING_REQUESTS,
+            "queue_limit_per_caller": getattr(server, "MAX_PENDING_PER_CALLER", None),  # newer servers have one
+            "busy_wait_s": args.busy_wait,
+            "duration_s": args.duration,
+            "stage": stage,
+            "manifest": {
+                "stages": manifest.num_stages,
+                "stage_layers": list(manifest.stages[stage]),
+                **{k: getattr(manifest.model, k) for k in ("width", "depth", "heads", "context_length", "vocab_size")},
+                "microbatch_size": manifest.training.microbatch_size,
+                "activation_compression": manifest.training.activation_compression,
+                "forward_timeout_s": manifest.training.timeouts.forward,
+            },
+        },
+        "requests_sent": tally.sent,
+        "served": served,
+        "busy": len(tally.busy),
+        "busy_reasons": dict(tally.busy_reasons),
+        "error_replies": dict(tally.error_replies),
+        "exceptions": dict(tally.exceptions),
+        # replies to the requests in flight at the end come later (up to a timeout): they are not counted
+        "served_per_second": round(sum(t <= end for t, _ in tally.served) / args.duration, 2),
+        "served_per_second_by_10s": [round(r, 1) for r in rates],
+        "served_latency_ms": percentiles_ms([latency for _, latency in tally.served]),
+        "busy_latency_ms": percentiles_ms(tally.busy),
+        "peer_memory": {
+            **memory_figures(memory, start, end, before),
+            "end_by_process_mb": {name: round(mb, 1) for name, mb in sorted(by_process.items())},
+        },
+        # the peer's own count: the served requests and the warm-up, plus any whose reply came too late
+        "peer": {**peer_figures, "samples_expected": (served + 1) * manifest.training.microbatch_size},
+        "cpu_percent": {
+            "peer_processes": round(100 * peer_cpu),
+            "this_process": round(100 * own_cpu),
+            "cores": os.cpu_count(),
+        },
+        "client_loop_lag_ms": percentiles_ms(tally.loop_lags),
+        "elapsed_s": round(elapsed, 1),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
