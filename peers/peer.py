@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             initial_peers = without_own_address(initial_peers, own_id)  # a restart: nobody answers there
         if not initial_peers and not args.new_swarm:
             print("the manifest lists no initial peers: starting a new swarm", flush=True)
-        args.reachable = decide_reachability(args, initial_peers, host_maddrs)
+        args.reachable = decide_reachability(args, initial_peers, host_maddrs, manifest)
         dht = runtime.start_dht(
             initial_peers,
             host_maddrs,
@@ -267,13 +267,15 @@ def main(argv: list[str] | None = None) -> int:
             identity.close()
 
 
-def decide_reachability(args: argparse.Namespace, initial_peers: list[str], host_maddrs: list[str]) -> bool:
+def decide_reachability(
+    args: argparse.Namespace, initial_peers: list[str], host_maddrs: list[str], manifest: Manifest | None
+) -> bool:
     """Whether other peers can dial this one: ask a few of them to dial it back (before the DHT starts)."""
     if args.no_listen:
         print("--no-listen: others cannot dial this peer; it opens connections to them instead", flush=True)
         return False
     started = time.monotonic()
-    verdict = asyncio.run(check_reachability(initial_peers, host_maddrs, args.announce_maddrs))
+    verdict = asyncio.run(check_reachability(initial_peers, host_maddrs, args.announce_maddrs, manifest))
     took = f"checked in {time.monotonic() - started:.1f} s"
     if verdict.reachable is False:
         print(
@@ -318,7 +320,7 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
         check_stage_flag(args, manifest)
     peer_id = str(dht.peer_id)
     print(f"swarm {manifest.name!r} (id {manifest.swarm_id}), peer {peer_id}", flush=True)
-    service = ReachabilityService()  # answers other peers' "can you dial me?"
+    service = ReachabilityService(manifest)  # answers other peers' "can you dial me?"
     await service.add_p2p_handlers(p2p, namespace=reachability.NAMESPACE)
     maddrs = [] if args.no_listen else runtime.visible_maddrs(dht)  # hivemind logs an error for a non-listener
     if args.reachable:

@@ -25,6 +25,7 @@ from hivemind.proto import runtime_pb2
 from multiaddr import Multiaddr
 
 from peers.runtime import daemon_sockets, remove_stale_sockets
+from swarm.manifest import Manifest
 from swarm.protocol import MSGPackSerializer
 from swarm.records import SwarmView, fetch_trainer_reports
 
@@ -95,9 +96,11 @@ class ReachabilityService(ServicerBase):
 
     It dials only the asker's own peer id, and only at addresses on the IP the asker is connected from, so a
     check cannot make it dial (or probe the ports of) anyone else. One check at a time; others get "busy".
+    In a private swarm (`manifest` names a secret) it checks only askers that prove they hold the secret.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, manifest: Manifest | None = None) -> None:
+        self.manifest = manifest
         self._p2p: P2P | None = None
         self._probe: P2P | None = None
         self._lock = asyncio.Lock()
@@ -117,10 +120,16 @@ class ReachabilityService(ServicerBase):
         if self._lock.locked():
             return None, "busy with another check"
         try:
-            claimed = MSGPackSerializer.loads(request.metadata).get("maddrs") if request.metadata else None
+            metadata = MSGPackSerializer.loads(request.metadata) if request.metadata else {}
         except Exception:
-            claimed = None
+            metadata = {}
+        metadata = metadata if isinstance(metadata, dict) else {}
+        claimed = metadata.get("maddrs")
         asker = context.remote_id
+        if self.manifest is not None and self.manifest.private:
+            secret = self.manifest.secret
+            if secret is None or not secret.check(asker.to_base58(), metadata.get("proof")):
+                return None, "this swarm is private: the check needs a proof that the asker holds its secret"
         async with self._lock:
             connected_from = await self._connected_ips(asker)
             addrs = [a for a in direct_addresses(claimed, asker.to_base58()) if ip_of(a) in connected_from]
@@ -169,13 +178,14 @@ class ReachabilityService(ServicerBase):
             self._probe = None
 
 
-async def _ask(p2p: P2P, helper: str, maddrs: list[str]) -> dict:
+async def _ask(p2p: P2P, helper: str, maddrs: list[str], proof: str | None) -> dict:
     try:
         stub = ReachabilityService.get_stub(p2p, PeerID.from_base58(helper), namespace=NAMESPACE)
-        request = runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps({"maddrs": maddrs}))
+        fields = {"maddrs": maddrs} if proof is None else {"maddrs": maddrs, "proof": proof}
+        request = runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps(fields))
         reply = await asyncio.wait_for(stub.rpc_check(request, timeout=CHECK_TIMEOUT), CHECK_TIMEOUT)
         answer = MSGPackSerializer.loads(reply.metadata)
-        if not isinstance(answer, dict) or not isinstance(answer.get("reachable"), bool):
+        if not isinstance(answer, dict) or answer.get("reachable") not in (True, False, None):
             return {"reachable": None, "error": "a malformed answer"}
         return answer
     except Exception as e:  # the helper is gone, too slow, or does not know the check
@@ -185,9 +195,10 @@ async def _ask(p2p: P2P, helper: str, maddrs: list[str]) -> dict:
 
 
 async def check_reachability(
-    bootstrap: list[str], host_maddrs: list[str], announce_maddrs: list[str] | None
+    bootstrap: list[str], host_maddrs: list[str], announce_maddrs: list[str] | None, manifest: Manifest | None = None
 ) -> Verdict:
-    """Ask up to 3 of the bootstrap peers to dial a short-lived node with this peer's network settings."""
+    """Ask up to 3 of the bootstrap peers to dial a short-lived node with this peer's network settings (with a
+    private swarm's `manifest`, the questions carry a proof of membership)."""
     helpers = list(dict.fromkeys(a.rsplit("/p2p/", 1)[1] for a in bootstrap if "/p2p/" in a))[:MAX_HELPERS]
     if not helpers:
         return Verdict(None, "no other peer to ask yet")
@@ -206,7 +217,8 @@ async def check_reachability(
         return Verdict(None, f"could not reach the peers to ask ({type(e).__name__})")
     try:
         maddrs = [str(a) for a in await node.get_visible_maddrs()]
-        replies = await asyncio.gather(*[_ask(node, helper, maddrs) for helper in helpers])
+        proof = manifest.proof(str(node.peer_id)) if manifest is not None else None
+        replies = await asyncio.gather(*[_ask(node, helper, maddrs, proof) for helper in helpers])
         return verdict_of(list(replies))
     except Exception as e:
         return Verdict(None, f"the check failed ({type(e).__name__}: {str(e)[:120]})")

@@ -15,6 +15,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 
 from conftest import LOOPBACK, tiny_manifest_dict
+from peers.reachability import check_reachability
 from peers.server import call_stage, download_state, fetch_manifest
 from swarm import protocol
 from swarm.errors import ManifestError, RemoteStageError
@@ -161,6 +162,11 @@ def test_outsiders_cannot_read_call_or_join_a_private_swarm(start_peer, write_ma
             await p2p.shutdown()
 
     asyncio.run(calls())
+
+    # reachability checks: a member's was answered, an outsider's is not
+    assert "reachable: 1 of 1 peers dialed it back" in last.output()
+    outsider_check = asyncio.run(check_reachability([first.maddr()], [LOOPBACK], None))
+    assert outsider_check.reachable is None and "private" in outsider_check.detail
     assert first.process.poll() is None and last.process.poll() is None
 
 
