@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from peers import runtime, server  # noqa: E402
+from peers.processes import memory_mb, peer_processes, stop_peers  # noqa: E402
 from peers.server import MAX_PENDING_REQUESTS, call_stage  # noqa: E402
 from peers.trainer import NO_PEER_WAIT  # noqa: E402
 from swarm import protocol  # noqa: E402
@@ -119,47 +120,6 @@ def wait_for_log(peer: subprocess.Popen, log: Path, pattern: str, timeout: float
     raise RuntimeError(f"the peer did not print {pattern!r} (exit code {peer.poll()}); its log ends:\n{tail}")
 
 
-def live_processes() -> dict[int, list[str]]:
-    """The fields after the name in /proc/PID/stat (state, ppid, pgid, ...) of every process but zombies."""
-    found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if fields[0] != "Z":
-            found[int(stat.parent.name)] = fields
-    return found
-
-
-def group_members(pgid: int) -> list[int]:
-    return [pid for pid, fields in live_processes().items() if int(fields[2]) == pgid]
-
-
-def peer_processes(pgid: int) -> dict[int, list[str]]:
-    """The group's processes and their descendants outside it (torch_shm_manager starts a session of its own)."""
-    every = live_processes()
-    found = {pid: fields for pid, fields in every.items() if int(fields[2]) == pgid}
-    while more := {pid: fields for pid, fields in every.items() if int(fields[1]) in found and pid not in found}:
-        found.update(more)
-    return found
-
-
-def peer_rss(pgid: int) -> dict[str, float]:
-    """MB of resident memory of each of the peer's processes, by '<name> <pid>'."""
-    found = {}
-    for pid in peer_processes(pgid):
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        name = re.search(r"^Name:\s*(\S+)", status, re.M)
-        rss = re.search(r"^VmRSS:\s*(\d+) kB", status, re.M)
-        if name and rss:  # a process that is exiting has no VmRSS
-            found[f"{name.group(1)} {pid}"] = int(rss.group(1)) / 1024
-    return found
-
-
 def peer_cpu_seconds(pgid: int) -> float:
     """CPU time (user and system) that the peer's live processes have used so far."""
     ticks = sum(int(fields[11]) + int(fields[12]) for fields in peer_processes(pgid).values())  # utime, stime
@@ -175,62 +135,14 @@ def sample_memory(pgid: int, samples: list[tuple[float, float]], stop: threading
     """Append (time, MB of all the peer's processes) every MEMORY_PERIOD until `stop`; a thread, so that a busy event loop
     does not delay the samples."""
     while not stop.is_set():
-        samples.append((time.monotonic(), sum(peer_rss(pgid).values())))
+        samples.append((time.monotonic(), sum(memory_mb(pgid).values())))
         stop.wait(MEMORY_PERIOD)
-
-
-def socket_files(pgid: int) -> set[Path]:
-    """Unix socket files that the peer's processes have open (a killed p2pd cannot remove its own)."""
-    inodes = set()
-    for pid in peer_processes(pgid):
-        for fd in Path(f"/proc/{pid}/fd").glob("*"):
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[len("socket:[") : -1])
-    paths = set()
-    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
-        fields = line.split()
-        if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
-            paths.add(Path(fields[7]))
-    return paths
 
 
 def stop_peer(peer: subprocess.Popen, grace: float = 20.0) -> None:
     """SIGTERM (a clean shutdown, which shows whether the peer still stops well after the load), then SIGKILL
-    whatever is left of its group and of its descendants outside it, and remove the socket files a kill leaves."""
-    sockets = socket_files(peer.pid)
-    # descendants in other groups, by (pid, start time): a pid reused meanwhile is not theirs
-    strays = {(pid, fields[19]) for pid, fields in peer_processes(peer.pid).items() if int(fields[2]) != peer.pid}
-    if peer.poll() is None:
-        peer.send_signal(signal.SIGTERM)
-        try:
-            peer.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            print(f"the peer did not stop within {grace:.0f}s of SIGTERM; killing its group", file=sys.stderr)
-    try:
-        os.killpg(peer.pid, signal.SIGKILL)  # the session leader's pid is the group id
-    except ProcessLookupError:
-        pass
-    peer.wait()
-    deadline = time.monotonic() + 5  # torch_shm_manager exits by itself once its clients are gone
-    left = strays
-    while time.monotonic() < deadline:
-        alive = live_processes()
-        left = {(pid, start) for pid, start in strays if pid in alive and alive[pid][19] == start}
-        if not group_members(peer.pid) and not left:
-            break
-        time.sleep(0.1)
-    for pid, _ in left:
-        print(f"killing process {pid}, left behind by the peer", file=sys.stderr)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for path in sockets:
-        path.unlink(missing_ok=True)
+    whatever is left of its processes, and remove the socket files a kill leaves."""
+    stop_peers([peer], grace)
 
 
 # ---------------------------------------------------------------------------------------------- the load
@@ -283,7 +195,7 @@ async def client_task(
             latency = time.monotonic() - begin
             if e.code == "busy":
                 tally.busy.append(latency)
-                tally.busy_reasons[str(e)[:80]] += 1
+                tally.busy_reasons[re.sub(r"\d+(\.\d+)?", "N", str(e))[:80]] += 1  # one entry per kind
                 await asyncio.sleep(busy_wait)
             else:
                 tally.error_replies[e.code] += 1
@@ -448,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         peer = start_peer(manifest_path, stage, folder, args.duration)
         wait_for_log(peer, log, r"serving stage", START_TIMEOUT)
         maddr = wait_for_log(peer, log, r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", 5.0).group(1)
-        before = sum(peer_rss(peer.pid).values())
+        before = sum(memory_mb(peer.pid).values())
         sampler = threading.Thread(target=sample_memory, args=(peer.pid, memory, stop_sampling), daemon=True)
         sampler.start()
         print(
@@ -462,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.monotonic() - wall_before  # with the clients' start and the warm-up: a few seconds of little work
         peer_cpu = (peer_cpu_seconds(peer.pid) - cpu_before) / wall
         own_cpu = (own_cpu_seconds() - own_before) / wall
-        by_process = peer_rss(peer.pid)
+        by_process = memory_mb(peer.pid)
     finally:
         stop_sampling.set()
         if peer is not None:

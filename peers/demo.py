@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from peers import runtime
+from peers.processes import stop_peers
 from peers.reachability import NAMESPACE as REACHABILITY_NAMESPACE
 from peers.reachability import ReachabilityService
 from peers.trainer import Trainer
@@ -246,24 +246,6 @@ def check_peers_alive(peers: list[subprocess.Popen], logs: Path) -> None:
         if peer.poll() is not None:
             tail = (logs / f"peer{k}.log").read_text(errors="replace")[-2000:]
             raise SwarmError(f"peer {k} exited with code {peer.returncode}; the end of its log:\n{tail}")
-
-
-def stop_peers(peers: list[subprocess.Popen], grace: float = 20.0) -> None:
-    """SIGTERM every peer (clean shutdown), then kill whatever is left of their process groups."""
-    for peer in peers:
-        if peer.poll() is None:
-            peer.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for peer in peers:
-        try:
-            peer.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(peer.pid, signal.SIGKILL)  # the peer's DHT process and p2pd, if anything is left
-        except ProcessLookupError:
-            pass
-        peer.wait()
 
 
 def print_summary(console: Console, summary: dict) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from peers import processes
 from swarm import PROTOCOL_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,84 +117,32 @@ class PeerProcess:
         return lines
 
     def kill_group(self, sig: int = signal.SIGKILL) -> None:
-        try:
-            os.killpg(self.pgid, sig)
-        except ProcessLookupError:
-            pass
+        processes.signal_group(self.pgid, sig)
 
     def group_alive(self) -> bool:
-        try:
-            os.killpg(self.pgid, 0)
-        except ProcessLookupError:
-            return False
-        # zombies of the group do not count once the leader is reaped
-        return group_alive(self.pgid)
+        return processes.group_alive(self.pgid)  # zombies of the group do not count once the leader is reaped
 
     def socket_files(self) -> set[Path]:
         """Unix socket files that the peer's processes (python, DHT process, p2pd) have open."""
-        inodes = set()
-        for pid in _group_members(self.pgid):
-            for fd in Path(f"/proc/{pid}/fd").glob("*"):
-                try:
-                    target = os.readlink(fd)
-                except OSError:
-                    continue
-                if target.startswith("socket:["):
-                    inodes.add(target[len("socket:[") : -1])
-        paths = set()
-        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
-            fields = line.split()
-            if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
-                paths.add(Path(fields[7]))
-        return paths
+        return processes.socket_files(self.pgid)
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM (a clean shutdown), then SIGKILL the whole group; remove socket files a kill leaves."""
-        sockets = self.socket_files()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill(sockets)
+        processes.stop_peers([self.process], grace)
+        self.log_file.close()
 
     def kill(self, sockets: set[Path] | None = None) -> None:
         """SIGKILL the peer, its DHT process and its p2pd daemon at once, as if the machine died."""
-        sockets = self.socket_files() if sockets is None else sockets
-        self.kill_group(signal.SIGKILL)
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        deadline = time.monotonic() + 5
-        while group_alive(self.pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for path in sockets:  # killed processes cannot remove their socket files
-            path.unlink(missing_ok=True)
+        processes.kill_peer(self.process, sockets)
         self.log_file.close()
 
 
 def live_processes() -> list[tuple[int, int, int]]:
     """(pid, parent pid, process group) of every process that is not a zombie."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            found.append((int(stat.parent.name), int(fields[1]), int(fields[2])))
-    return found
+    return [(pid, int(fields[1]), int(fields[2])) for pid, fields in processes.live_processes().items()]
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group."""
-    return [pid for pid, _, group in live_processes() if group == pgid]
-
-
-def group_alive(pgid: int) -> bool:
-    return bool(_group_members(pgid))
+group_alive = processes.group_alive
 
 
 @pytest.fixture
