@@ -26,7 +26,7 @@ from multiaddr import Multiaddr
 
 from peers.runtime import daemon_sockets, remove_stale_sockets
 from swarm.manifest import Manifest
-from swarm.protocol import MSGPackSerializer
+from swarm.protocol import MSGPackSerializer, unpack
 from swarm.records import SwarmView, fetch_trainer_reports
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class ReachabilityService(ServicerBase):
         if self._lock.locked():
             return None, "busy with another check"
         try:
-            metadata = MSGPackSerializer.loads(request.metadata) if request.metadata else {}
+            metadata = unpack(request.metadata) if request.metadata else {}
         except Exception:
             metadata = {}
         metadata = metadata if isinstance(metadata, dict) else {}
@@ -184,7 +184,7 @@ async def _ask(p2p: P2P, helper: str, maddrs: list[str], proof: str | None) -> d
         fields = {"maddrs": maddrs} if proof is None else {"maddrs": maddrs, "proof": proof}
         request = runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps(fields))
         reply = await asyncio.wait_for(stub.rpc_check(request, timeout=CHECK_TIMEOUT), CHECK_TIMEOUT)
-        answer = MSGPackSerializer.loads(reply.metadata)
+        answer = unpack(reply.metadata)
         if not isinstance(answer, dict) or answer.get("reachable") not in (True, False, None):
             return {"reachable": None, "error": "a malformed answer"}
         return answer

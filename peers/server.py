@@ -352,16 +352,36 @@ class StageServer(ServicerBase):
         # A stream holds memory while it arrives: it takes a request slot and has the forward timeout to finish.
         caller = str(context.remote_id)
         if (refusal := self._refusal(caller)) is not None:
+            await self._drain(requests)
             return refusal
         self._take_slot(caller)
         try:
             combine = protocol.combine_message(requests, runtime_pb2.ExpertRequest, self.max_message_bytes)
             request = await asyncio.wait_for(combine, timeout=self.manifest.training.timeouts.forward)
         except (BadRequestError, TimeoutError) as e:
+            if isinstance(e, BadRequestError):
+                await self._drain(requests)
             return self._bad_request(caller, str(e) or "the request stream did not finish in time")
         finally:
             self._release_slot(caller)
         return await self._handle_remote(kind, request, caller)
+
+    async def _drain(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+        """Read the rest of a refused request stream, keeping nothing: a stream closed with parts unread is reset,
+        and the reply (why it was refused) would be lost. At most a valid message's size, within the timeout."""
+        budget = self.max_message_bytes + 65536
+
+        async def read() -> None:
+            nonlocal budget
+            async for part in requests:
+                budget -= part.ByteSize()
+                if budget < 0:
+                    return
+
+        try:
+            await asyncio.wait_for(read(), timeout=self.manifest.training.timeouts.forward)
+        except Exception:  # a broken or endless stream: the reply may be lost, the peer does not care
+            pass
 
     async def rpc_probe(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Bandwidth probe: take the request's payload, reply with `reply_bytes` bytes of zeros."""
@@ -378,16 +398,32 @@ class StageServer(ServicerBase):
         return protocol.make_reply([torch.zeros(reply_bytes // 4)])
 
     async def rpc_download_state(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Stream this stage's parameters and optimizer statistics to a peer that starts serving the stage."""
+        """Stream this stage's parameters and optimizer statistics to a peer that starts serving the stage.
+
+        The request is one message, taken as a stream so that a request that never ends (hivemind would wait for
+        its end without a timeout) is dropped after the forward timeout, like any request stream."""
         caller = str(context.remote_id)
+
+        async def read_all() -> list[runtime_pb2.ExpertRequest]:  # to its end, which lets the reply through
+            return [message async for message in requests]
+
+        try:
+            messages = await asyncio.wait_for(read_all(), timeout=self.manifest.training.timeouts.forward)
+        except TimeoutError:
+            self.bad_requests += 1
+            return
+        if len(messages) != 1:
+            yield self._bad_request(caller, f"a state request is one message, not {len(messages)}")
+            return
+        (request,) = messages
         if (refusal := self._ban_refusal(caller)) is not None:
             yield refusal
             return
         try:
             metadata = protocol.decode_metadata(request, self.manifest, caller)
-            if metadata.get("stage") != self.stage:
+            if type(metadata.get("stage")) is not int or metadata["stage"] != self.stage:
                 raise BadRequestError(f"this peer serves stage {self.stage}, not {str(metadata.get('stage'))[:20]}")
         except BadRequestError as e:
             yield self._bad_request(caller, str(e))
@@ -870,7 +906,12 @@ async def call_stage(
 
         replies = await getattr(stub, f"rpc_{kind}_stream")(parts())
         # a reply holds at most the loss and one activation-sized tensor
-        return await protocol.combine_message(replies, runtime_pb2.ExpertResponse, reply_elements * 4 + 4096)
+        reply = await protocol.combine_message(replies, runtime_pb2.ExpertResponse, reply_elements * 4 + 4096)
+        if not reply.metadata:  # every reply has metadata: the stream ended without one
+            raise RemoteStageError(
+                "the peer ended the stream without a reply (it may have refused the call)", "internal"
+            )
+        return reply
 
     return await asyncio.wait_for(exchange(), timeout=timeout)
 
@@ -879,7 +920,10 @@ async def fetch_manifest(p2p: P2P, peer_id: str, timeout: float) -> str:
     """The manifest (JSON text, not yet validated) of the swarm that `peer_id` serves."""
     stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
     reply = await asyncio.wait_for(stub.rpc_manifest(runtime_pb2.ExpertRequest(), timeout=timeout), timeout)
-    metadata = protocol.MSGPackSerializer.loads(reply.metadata) if len(reply.metadata) < MAX_MANIFEST_BYTES else None
+    try:
+        metadata = protocol.unpack(reply.metadata) if len(reply.metadata) < MAX_MANIFEST_BYTES else None
+    except ValueError:
+        metadata = None
     if isinstance(metadata, dict) and isinstance(metadata.get("error"), str):
         raise RemoteStageError(metadata["error"][:500], "bad_request")
     text = metadata.get("manifest") if isinstance(metadata, dict) else None
@@ -929,15 +973,18 @@ async def download_state(
     stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
     request = protocol.make_control_request(manifest, manifest.proof(str(p2p.peer_id)), stage=stage)
 
+    async def one_request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        yield request
+
     async def fetch() -> runtime_pb2.ExpertResponse:
-        parts = await stub.rpc_download_state(request)
+        parts = await stub.rpc_download_state(one_request())
         return await protocol.combine_message(parts, runtime_pb2.ExpertResponse, max_bytes, max_tensors=len(shapes))
 
     largest = max(math.prod(shape) for shape in shapes.values())
     for attempt in range(1, TRUNCATED_STATE_ATTEMPTS + 1):
         reply = await asyncio.wait_for(fetch(), timeout=timeout)
         tensors = protocol.decode_reply(reply, max(largest, 1))  # raises RemoteStageError for an error reply
-        metadata = protocol.MSGPackSerializer.loads(reply.metadata)
+        metadata = protocol.unpack(reply.metadata)  # decode_reply read it already: it is a dict
         names = metadata.get("names")
         # a hivemind stream that breaks ends like one that is complete: fewer tensors than names means cut short
         if isinstance(names, list) and len(names) > len(tensors) and attempt < TRUNCATED_STATE_ATTEMPTS:

@@ -43,10 +43,10 @@ from hivemind.compression import (
 )
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MSGPackSerializer
 
 from swarm.errors import SwarmError
 from swarm.manifest import AveragingConfig, Manifest
+from swarm.protocol import unpack
 from swarm.secret import SwarmSecret
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def gathered_proof(gather: bytes) -> Any:
     """The membership proof in a join request's gathered data (hivemind packs it as [bandwidth, mode, user data];
     ours is {"proof": ...}); None if there is none or the data is malformed."""
     try:
-        user = MSGPackSerializer.loads(MSGPackSerializer.loads(gather)[2])
+        user = unpack(unpack(gather)[2])
         return user.get("proof") if isinstance(user, dict) else None
     except Exception:
         return None

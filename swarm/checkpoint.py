@@ -108,7 +108,7 @@ def load_checkpoint(path: Path, manifest: Manifest, stage: int) -> Checkpoint:
         raise CheckpointError(f"{path} is not a Swarm stage checkpoint (no '{FORMAT}' in its metadata)")
     if metadata.get("swarm_id") != manifest.swarm_id:
         raise CheckpointError(
-            f"checkpoint {path} belongs to swarm {metadata.get('swarm_id')!r}, not to this swarm "
+            f"checkpoint {path} belongs to swarm {str(metadata.get('swarm_id'))[:40]!r}, not to this swarm "
             f"({manifest.swarm_id}); it was not loaded"
         )
     if metadata.get("stage") != str(stage):
@@ -120,8 +120,8 @@ def load_checkpoint(path: Path, manifest: Manifest, stage: int) -> Checkpoint:
             isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**53 for v in counters.values()
         ):
             raise ValueError("counters must be non-negative integers")
-    except (KeyError, ValueError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path} has malformed metadata ({e}); delete it") from None
+    except (KeyError, ValueError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {path} has malformed metadata ({str(e)[:200]}); delete it") from None
     return Checkpoint(path, stage, items, counters, saved_at)
 
 

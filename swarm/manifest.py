@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import reprlib
 import time
 import urllib.error
 import urllib.request
@@ -190,6 +191,22 @@ def write_manifest(manifest: Manifest, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- loading
 
 
+def _shown(value: Any) -> str:
+    """A value as error messages show it: short, whatever it is (an int of 5,000 digits or a list nested 5,000
+    deep cannot even be repr()ed)."""
+    try:
+        return reprlib.repr(value)
+    except (ValueError, RecursionError):
+        return f"a {type(value).__name__} too large to show"
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float's range
+        return False
+
+
 def load_manifest(source: str | Path, timeout: float = URL_TIMEOUT) -> Manifest:
     """Read and validate a manifest from a file or an http(s) URL.
 
@@ -295,8 +312,8 @@ def _load_manifest_file(path: Path) -> Manifest:
 def parse_manifest(text: str, origin: str = "manifest") -> Manifest:
     try:
         raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{origin} is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, integers of thousands of digits, deep nesting
+        raise ManifestError(f"{origin} is not valid JSON: {str(e)[:200] or type(e).__name__}") from None
     return manifest_from_dict(raw)
 
 
@@ -435,7 +452,7 @@ def _parse_stages(s: _Fields, depth: int) -> tuple[tuple[int, int], ...]:
             or len(item) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
         ):
-            raise ManifestError(f"manifest field '{where}': must be a pair of integers [start, end), got {item!r}")
+            raise ManifestError(f"manifest field '{where}': must be a pair of integers [start, end), got {_shown(item)}")
         start, end = item
         if start != expected_start:
             raise ManifestError(
@@ -458,14 +475,14 @@ def validate_multiaddrs(values: list[Any], where: str) -> list[str]:
     result = []
     for i, value in enumerate(values):
         if not isinstance(value, str):
-            raise ManifestError(f"manifest field '{where}[{i}]': must be a multiaddr string, got {value!r}")
+            raise ManifestError(f"manifest field '{where}[{i}]': must be a multiaddr string, got {_shown(value)}")
         try:
             addr = Multiaddr(value)
         except Exception as e:  # the multiaddr library raises several unrelated types
-            raise ManifestError(f"manifest field '{where}[{i}]': {value!r} is not a valid multiaddr ({e})") from None
+            raise ManifestError(f"manifest field '{where}[{i}]': {_shown(value)} is not a valid multiaddr ({e})") from None
         if "p2p" not in [p.name for p in addr.protocols()]:
             raise ManifestError(
-                f"manifest field '{where}[{i}]': {value!r} has no /p2p/<peer id> part; copy the full address "
+                f"manifest field '{where}[{i}]': {_shown(value)} has no /p2p/<peer id> part; copy the full address "
                 "that swarm-peer printed"
             )
         result.append(str(addr))
@@ -507,13 +524,13 @@ class _Fields:
     def string(self, key: str, default: Any = _MISSING) -> str:
         value = self.get(key, default)
         if not isinstance(value, str) or not value.strip():
-            raise ManifestError(f"{self._name(key)}: must be a non-empty string, got {value!r}")
+            raise ManifestError(f"{self._name(key)}: must be a non-empty string, got {_shown(value)}")
         return value
 
     def integer(self, key: str, default: Any = _MISSING, minimum: int | None = None, maximum: int | None = None) -> int:
         value = self.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ManifestError(f"{self._name(key)}: must be an integer, got {value!r}")
+            raise ManifestError(f"{self._name(key)}: must be an integer, got {_shown(value)}")
         self._check_range(key, value, minimum, maximum)
         return value
 
@@ -521,28 +538,28 @@ class _Fields:
         self, key: str, default: Any = _MISSING, minimum: float | None = None, maximum: float | None = None
     ) -> float:
         value = self.get(key, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise ManifestError(f"{self._name(key)}: must be a finite number, got {value!r}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not _finite(value):
+            raise ManifestError(f"{self._name(key)}: must be a finite number, got {_shown(value)}")
         self._check_range(key, value, minimum, maximum)
         return float(value)
 
     def boolean(self, key: str, default: Any = _MISSING) -> bool:
         value = self.get(key, default)
         if not isinstance(value, bool):
-            raise ManifestError(f"{self._name(key)}: must be true or false, got {value!r}")
+            raise ManifestError(f"{self._name(key)}: must be true or false, got {_shown(value)}")
         return value
 
     def choice(self, key: str, options: tuple[str, ...], default: Any = _MISSING) -> str:
         value = self.get(key, default)
         if value not in options:
-            raise ManifestError(f"{self._name(key)}: must be one of {', '.join(options)}, got {value!r}")
+            raise ManifestError(f"{self._name(key)}: must be one of {', '.join(options)}, got {_shown(value)}")
         return value
 
     def _check_range(self, key: str, value: float, minimum: float | None, maximum: float | None) -> None:
         if minimum is not None and value < minimum:
-            raise ManifestError(f"{self._name(key)}: must be at least {minimum}, got {value}")
+            raise ManifestError(f"{self._name(key)}: must be at least {minimum}, got {_shown(value)}")
         if maximum is not None and value > maximum:
-            raise ManifestError(f"{self._name(key)}: must be at most {maximum}, got {value}")
+            raise ManifestError(f"{self._name(key)}: must be at most {maximum}, got {_shown(value)}")
 
     def no_unknown(self) -> None:
         unknown = sorted(set(self.raw) - self.used)

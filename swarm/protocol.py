@@ -113,10 +113,16 @@ def make_error_reply(message: str, code: str = "bad_request") -> runtime_pb2.Exp
     return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": message[:2000], "code": code}))
 
 
+def unpack(data: bytes) -> object:
+    """Decode msgpack from the network (metadata of requests and replies, gathered data): hivemind's format, with
+    the nesting limit that importing `swarm` installs (swarm/hivemind_limits.py). Raises on malformed input."""
+    return MSGPackSerializer.loads(data)
+
+
 def decode_reply(reply: runtime_pb2.ExpertResponse, max_elements: int) -> list[torch.Tensor]:
     """Tensors of a reply; raise RemoteStageError if the peer answered with an error."""
     try:
-        metadata = MSGPackSerializer.loads(reply.metadata) if reply.metadata else {}
+        metadata = unpack(reply.metadata) if reply.metadata else {}
     except Exception:
         raise RemoteStageError("the peer sent an unreadable reply", "internal") from None
     if not isinstance(metadata, dict):
@@ -188,7 +194,7 @@ def decode_metadata(request: runtime_pb2.ExpertRequest, manifest: Manifest, send
     """The metadata dictionary of a request, after checking its swarm id, protocol version and, in a private
     swarm, that `sender` (the peer id libp2p authenticated) proved that it holds the swarm's secret."""
     try:
-        metadata = MSGPackSerializer.loads(request.metadata)
+        metadata = unpack(request.metadata)
     except Exception:
         raise BadRequestError("metadata is not a msgpack dictionary") from None
     if not isinstance(metadata, dict):
