@@ -35,7 +35,7 @@ from swarm.checkpoint import find_checkpoint
 from swarm.errors import PeerStartError, SwarmError
 from swarm.manifest import Manifest
 from swarm.model import build_stage
-from swarm.records import Announcement, SwarmView
+from swarm.records import Announcement, SwarmView, announcement_lifetime
 from swarm.routing import online_peers
 from swarm.throughput import (
     DEFAULT_BANDWIDTH_MBITS,
@@ -216,6 +216,16 @@ class Rebalancer:
         online = online_peers(await self.view.stage(stage), get_dht_time())
         return [a for a in online if a.peer_id != self.peer_id]
 
+    async def _wait_for_sources(self, stage: int) -> list[Announcement]:
+        period = self.manifest.network.announce_period
+        deadline = time.monotonic() + announcement_lifetime(period)
+        while time.monotonic() < deadline:
+            await asyncio.sleep(period)
+            await self.view.all_stages(force=True)
+            if sources := await self._online_peers_of(stage):
+                return sorted(sources, key=lambda a: -a.throughput)[:STATE_SOURCES]
+        return []
+
     async def _take_over_state(self, server: StageServer, fresh_start_allowed: bool) -> bool:
         """Load the stage's state: from one of its online peers (fastest first), or from this peer's checkpoint of
         the stage if that is further ahead (or if no peer serves the stage any more). True if loaded, or if there
@@ -223,6 +233,10 @@ class Rebalancer:
         await self.view.all_stages(force=True)
         sources = sorted(await self._online_peers_of(server.stage), key=lambda a: -a.throughput)[:STATE_SOURCES]
         checkpoint = find_checkpoint(self.options.checkpoint_dir, self.manifest, server.stage)
+        if checkpoint is not None and not sources:
+            # The stage trained before. Its peers' records may have lapsed for a moment (a DHT store that waits on an
+            # unresponsive node): look again for one record lifetime before falling back to an older checkpoint.
+            sources = await self._wait_for_sources(server.stage)
         # each source twice: a download can be cut short (the peer was busy starting up, a stream broke)
         for source in [s for s in sources for _ in range(STATE_ATTEMPTS)]:
             try:

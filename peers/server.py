@@ -76,6 +76,8 @@ ACTIVATION_CACHE_BYTES = 1 << 30
 
 STATE_COUNTERS = ("optimizer_steps", "averaging_round")  # travel with a stage's state
 STATE_SOURCES = 3  # peers tried, one after another, for a stage's state
+MAX_ANNOUNCEMENTS_IN_FLIGHT = 3
+CATCH_UP_BY_DOWNLOAD = 2  # rounds behind the stage from which a peer takes the stage's state (parameters mode)
 ROUND_CHECK_PERIOD = 1.0  # seconds between two looks at whether an averaging round is due
 NEAR_ROUND = 0.75  # past this share of a round's samples, those looks read fresh records
 
@@ -311,12 +313,26 @@ class StageServer(ServicerBase):
         await store_announcement(self._dht, self.manifest.swarm_id, self.announcement(), lifetime)
 
     async def _announce_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.manifest.network.announce_period)
-            try:
-                await self.announce()
-            except Exception as e:  # a missed refresh is not fatal: the next one may succeed
-                logger.warning(f"announcement failed: {e!r}")
+        """Refresh the record every announce period, without waiting for the previous store: a store that
+        reaches an unresponsive DHT node waits out hivemind's timeouts (seconds), and records live only
+        LIFETIME_PERIODS periods, so waiting would let a healthy peer drop out of everyone's view."""
+        in_flight: set[asyncio.Task] = set()
+        try:
+            while True:
+                await asyncio.sleep(self.manifest.network.announce_period)
+                if len(in_flight) < MAX_ANNOUNCEMENTS_IN_FLIGHT:
+                    task = asyncio.create_task(self._announce_logged())
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+        finally:
+            for task in in_flight:
+                task.cancel()
+
+    async def _announce_logged(self) -> None:
+        try:
+            await self.announce()
+        except Exception as e:  # a missed refresh is not fatal: the next one may succeed
+            logger.warning(f"announcement failed: {e!r}")
 
     # ---------------------------------------------------------------------------------------- RPC handlers
 
@@ -615,9 +631,13 @@ class StageServer(ServicerBase):
 
     async def _catch_up(self, stage_round: int, ahead: list[str]) -> None:
         """This peer missed rounds (it was alone, busy, or its round failed while others' succeeded). In parameters
-        mode it just counts from the stage's round on: the next round pulls it back to the others. In diloco mode
-        the replicas must share one anchor: it takes the stage's state from a peer that is at that round."""
-        if self.manifest.averaging.mode != "diloco":
+        mode, one round behind, it just counts from the stage's round on: the next round pulls it back to the
+        others; further behind (e.g. restarted from an old checkpoint), it takes the stage's state from a peer at
+        that round, since averaging with parameters that far apart would move it too far at once (and rounds that
+        move parameters by more than their norm are dropped). In diloco mode the replicas must share one anchor:
+        it always takes the state."""
+        behind = stage_round - self.rounds.round
+        if self.manifest.averaging.mode != "diloco" and behind < CATCH_UP_BY_DOWNLOAD:
             logger.info(f"stage {self.stage} is at averaging round {stage_round}; catching up")
             self.rounds.round, self.rounds.round_started_at = stage_round, self.samples_served
             return
@@ -631,9 +651,14 @@ class StageServer(ServicerBase):
                 logger.warning(f"taking the state of stage {self.stage} from {peer_id[-8:]} failed: {e!r}")
                 continue
             self.rounds.round_started_at = self.rounds.weight_started_at = self.samples_served
+            why = (
+                "DiLoCo replicas share one anchor"
+                if self.manifest.averaging.mode == "diloco"
+                else f"this peer was {behind} rounds behind"
+            )
             logger.info(
                 f"stage {self.stage} is at averaging round {stage_round}: took its state from peer {peer_id[-8:]} "
-                "(DiLoCo replicas share one anchor; local steps since this peer's last round are dropped)"
+                f"({why}; local steps since this peer's last round are dropped)"
             )
             return
 
