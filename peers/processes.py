@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-STRAY_WAIT = 5.0  # seconds for processes outside the group (torch_shm_manager) to exit by themselves
+GROUP_WAIT = 5.0  # seconds for a killed group's processes to disappear
 
 
 def live_processes() -> dict[int, list[str]]:
@@ -93,31 +93,28 @@ def signal_group(pgid: int, sig: int) -> None:
 
 
 def kill_peer(process: subprocess.Popen, sockets: set[Path] | None = None) -> None:
-    """SIGKILL the peer's whole group at once, as if its machine died; then its strays outside the group, unless
-    they exit by themselves; then remove the socket files the kill left (`sockets`, if taken before a SIGTERM)."""
+    """SIGKILL the peer's whole group at once, as if its machine died, and its processes outside the group; then
+    remove the socket files the kill left (`sockets`, if taken before a SIGTERM)."""
     pgid = process.pid  # the session leader's pid is the group id
     sockets = socket_files(pgid) if sockets is None else sockets
     # descendants in other groups, by (pid, start time): a pid reused meanwhile is not theirs
     strays = {(pid, fields[19]) for pid, fields in peer_processes(pgid).items() if int(fields[2]) != pgid}
     signal_group(pgid, signal.SIGCONT)  # a stopped (SIGSTOP) group must run to die
     signal_group(pgid, signal.SIGKILL)
+    alive = live_processes()
+    for pid, start in strays:  # only if still the same process (a pid may have been reused)
+        if pid in alive and alive[pid][19] == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     try:
         process.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
-    deadline = time.monotonic() + STRAY_WAIT
-    left = strays
-    while time.monotonic() < deadline:
-        alive = live_processes()
-        left = {(pid, start) for pid, start in strays if pid in alive and alive[pid][19] == start}
-        if not group_alive(pgid) and not left:
-            break
-        time.sleep(0.1)
-    for pid, _ in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    deadline = time.monotonic() + GROUP_WAIT
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for path in sockets:
         path.unlink(missing_ok=True)
 
