@@ -452,7 +452,9 @@ def _parse_stages(s: _Fields, depth: int) -> tuple[tuple[int, int], ...]:
             or len(item) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
         ):
-            raise ManifestError(f"manifest field '{where}': must be a pair of integers [start, end), got {_shown(item)}")
+            raise ManifestError(
+                f"manifest field '{where}': must be a pair of integers [start, end), got {_shown(item)}"
+            )
         start, end = item
         if start != expected_start:
             raise ManifestError(
@@ -479,7 +481,9 @@ def validate_multiaddrs(values: list[Any], where: str) -> list[str]:
         try:
             addr = Multiaddr(value)
         except Exception as e:  # the multiaddr library raises several unrelated types
-            raise ManifestError(f"manifest field '{where}[{i}]': {_shown(value)} is not a valid multiaddr ({e})") from None
+            raise ManifestError(
+                f"manifest field '{where}[{i}]': {_shown(value)} is not a valid multiaddr ({e})"
+            ) from None
         if "p2p" not in [p.name for p in addr.protocols()]:
             raise ManifestError(
                 f"manifest field '{where}[{i}]': {_shown(value)} has no /p2p/<peer id> part; copy the full address "
