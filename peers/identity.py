@@ -20,40 +20,53 @@ from swarm.errors import PeerStartError
 logger = logging.getLogger(__name__)
 
 
-def claim_identity(path: Path) -> tuple[str, IO[bytes]]:
-    """Load the private key at `path` (creating it if the file does not exist) and lock it for this process.
-
-    Returns the peer id and the locked file, which must stay open while the peer runs."""
+def claim_identity(path: Path) -> tuple[str, IO[str]]:
+    """Lock the identity at `path` for this process, then load its private key (creating it if the file does not
+    exist). Returns the peer id and the locked file, which must stay open while the peer runs."""
     path = path.expanduser()
+    if not path.parent.is_dir():
+        raise PeerStartError(f"--identity {path}: the folder {path.parent} does not exist")
+    # The lock is on a file beside the key, taken before the key is read or created: two peers started at once
+    # with a new path cannot both create a key (one would overwrite the other's).
+    lock_path = path.with_name(path.name + ".lock")
+    try:
+        lock = open(lock_path, "a")  # noqa: SIM115 (held open: the lock lives as long as the file is open)
+    except OSError as e:
+        raise PeerStartError(f"--identity {path}: cannot create {lock_path} ({e.strerror})") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise PeerStartError(
+            f"--identity {path} is in use by another peer on this machine; two peers cannot share an identity: "
+            "give each its own file"
+        ) from None
+    try:
+        return _read_identity(path), lock
+    except PeerStartError:
+        lock.close()
+        raise
+
+
+def _read_identity(path: Path) -> str:
+    """The peer id of the key in `path`, creating the key if the file does not exist."""
     if not path.exists():
-        if not path.parent.is_dir():
-            raise PeerStartError(f"--identity {path}: the folder {path.parent} does not exist")
         try:
             P2P.generate_identity(str(path))  # an RSA key, readable by this user only
         except OSError as e:
             raise PeerStartError(f"--identity {path}: cannot write a new identity there ({e.strerror})") from None
         logger.info(f"created a new identity in {path}")
     try:
-        handle = open(path, "rb")  # noqa: SIM115 (held open: the lock lives as long as the file is open)
+        data = path.read_bytes()
     except OSError as e:
         raise PeerStartError(f"--identity {path}: cannot read it ({e.strerror})") from None
     try:
-        peer_id = str(PeerID.from_identity(handle.read()))
+        return str(PeerID.from_identity(data))
     except Exception:
-        handle.close()
         raise PeerStartError(
             f"--identity {path} is not an identity file (a libp2p private key, as swarm-peer writes one); "
             "point --identity at a new path to create one"
         ) from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        raise PeerStartError(
-            f"--identity {path} is in use by another peer on this machine (peer id {peer_id}); two peers cannot "
-            "share an identity: give each its own file"
-        ) from None
-    return peer_id, handle
 
 
 async def identity_taken(path: Path, initial_peers: list[str]) -> bool:

@@ -185,7 +185,9 @@ async def _ask(p2p: P2P, helper: str, maddrs: list[str], proof: str | None) -> d
         request = runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps(fields))
         reply = await asyncio.wait_for(stub.rpc_check(request, timeout=CHECK_TIMEOUT), CHECK_TIMEOUT)
         answer = unpack(reply.metadata)
-        if not isinstance(answer, dict) or answer.get("reachable") not in (True, False, None):
+        if not isinstance(answer, dict) or not (
+            type(answer.get("reachable")) is bool or answer.get("reachable") is None
+        ):
             return {"reachable": None, "error": "a malformed answer"}
         return answer
     except Exception as e:  # the helper is gone, too slow, or does not know the check

@@ -70,6 +70,8 @@ MAX_PENDING_PER_CALLER = 16  # so that one caller (or a flood from one peer) can
 # A slow peer takes fewer: past this share of the forward timeout of expected queueing (requests in flight x
 # seconds per request), a new request would likely time out in the queue, so the caller is better off elsewhere.
 MAX_QUEUE_WAIT_SHARE = 0.5
+MAX_CONTROL_REQUEST_BYTES = 65536
+MAX_DRAINS = 8  # refused request streams read to their end at once (so that their reply arrives); more are cut
 MAX_CONTROL_CALLS = 4  # state downloads served at once; each holds up to a stage's state in memory
 ACTIVATION_CACHE_BYTES = 1 << 30
 
@@ -190,6 +192,7 @@ class StageServer(ServicerBase):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}")
         self._pending = 0
         self._pending_by_caller: dict[str, int] = {}
+        self._drains = 0
         self.seconds_per_request = 0.0  # EMA of the worker's time per request (0 until the first one)
         self._control_calls = 0
         self._handlers_added = False  # handlers are named by class, not object: never remove another server's
@@ -346,6 +349,8 @@ class StageServer(ServicerBase):
         self, kind: str, request: runtime_pb2.ExpertRequest, caller: str
     ) -> runtime_pb2.ExpertResponse:
         self.traffic.activation_received += request.ByteSize()
+        if (refusal := self._outsider_refusal(request.metadata, caller)) is not None:
+            return refusal
         reply = await self.handle(kind, request, caller)
         self.traffic.activation_sent += reply.ByteSize()
         return reply
@@ -368,16 +373,26 @@ class StageServer(ServicerBase):
         # A stream holds memory while it arrives: it takes a request slot and has the forward timeout to finish.
         caller = str(context.remote_id)
         if (refusal := self._refusal(caller)) is not None:
-            await self._drain(requests)
+            if self.bans.banned_for(caller, time.monotonic()) <= 0:  # a banned peer's stream is not read at all
+                await self._drain(requests)
             return refusal
+        if self.manifest.private:  # an outsider's stream is refused on its first part, before it takes a slot
+            try:
+                first = await asyncio.wait_for(anext(requests), timeout=self.manifest.training.timeouts.forward)
+            except (StopAsyncIteration, TimeoutError):
+                return protocol.make_error_reply("the request stream did not start in time", "bad_request")
+            if (refusal := self._outsider_refusal(first.metadata, caller)) is not None:
+                return refusal
+            requests = _prepend(first, requests)
         self._take_slot(caller)
         try:
             combine = protocol.combine_message(requests, runtime_pb2.ExpertRequest, self.max_message_bytes)
             request = await asyncio.wait_for(combine, timeout=self.manifest.training.timeouts.forward)
-        except (BadRequestError, TimeoutError) as e:
-            if isinstance(e, BadRequestError):
-                await self._drain(requests)
-            return self._bad_request(caller, str(e) or "the request stream did not finish in time")
+        except BadRequestError as e:
+            await self._drain(requests)
+            return self._bad_request(caller, str(e))
+        except TimeoutError:  # a slow link is no offence: not counted towards a ban
+            return protocol.make_error_reply("the request stream did not finish in time", "bad_request")
         finally:
             self._release_slot(caller)
         return await self._handle_remote(kind, request, caller)
@@ -385,6 +400,8 @@ class StageServer(ServicerBase):
     async def _drain(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         """Read the rest of a refused request stream, keeping nothing: a stream closed with parts unread is reset,
         and the reply (why it was refused) would be lost. At most a valid message's size, within the timeout."""
+        if self._drains >= MAX_DRAINS:
+            return
         budget = self.max_message_bytes + 65536
 
         async def read() -> None:
@@ -394,10 +411,13 @@ class StageServer(ServicerBase):
                 if budget < 0:
                     return
 
+        self._drains += 1
         try:
             await asyncio.wait_for(read(), timeout=self.manifest.training.timeouts.forward)
         except Exception:  # a broken or endless stream: the reply may be lost, the peer does not care
             pass
+        finally:
+            self._drains -= 1
 
     async def rpc_probe(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Bandwidth probe: take the request's payload, reply with `reply_bytes` bytes of zeros."""
@@ -421,22 +441,37 @@ class StageServer(ServicerBase):
         The request is one message, taken as a stream so that a request that never ends (hivemind would wait for
         its end without a timeout) is dropped after the forward timeout, like any request stream."""
         caller = str(context.remote_id)
-
-        async def read_all() -> list[runtime_pb2.ExpertRequest]:  # to its end, which lets the reply through
-            return [message async for message in requests]
-
-        try:
-            messages = await asyncio.wait_for(read_all(), timeout=self.manifest.training.timeouts.forward)
-        except TimeoutError:
-            self.bad_requests += 1
-            return
-        if len(messages) != 1:
-            yield self._bad_request(caller, f"a state request is one message, not {len(messages)}")
-            return
-        (request,) = messages
         if (refusal := self._ban_refusal(caller)) is not None:
             yield refusal
             return
+        if self._control_calls >= MAX_CONTROL_CALLS:  # reading a request takes a slot too
+            self.busy_replies += 1
+            yield protocol.make_error_reply("this peer is busy sending its state; try another peer", "busy")
+            return
+
+        async def read_request() -> list[runtime_pb2.ExpertRequest]:
+            """The stream's messages to its end (which lets the reply through), stopping early past one message or
+            MAX_CONTROL_REQUEST_BYTES: a state request is small."""
+            messages, size = [], 0
+            async for message in requests:
+                messages.append(message)
+                size += message.ByteSize()
+                if len(messages) > 1 or size > MAX_CONTROL_REQUEST_BYTES:
+                    break
+            return messages
+
+        self._control_calls += 1
+        try:
+            messages = await asyncio.wait_for(read_request(), timeout=self.manifest.training.timeouts.forward)
+        except TimeoutError:
+            self.bad_requests += 1
+            return
+        finally:
+            self._control_calls -= 1
+        if len(messages) != 1 or messages[0].ByteSize() > MAX_CONTROL_REQUEST_BYTES:
+            yield self._bad_request(caller, "a state request is one message of at most 64 KiB")
+            return
+        (request,) = messages
         try:
             metadata = protocol.decode_metadata(request, self.manifest, caller)
             if type(metadata.get("stage")) is not int or metadata["stage"] != self.stage:
@@ -527,12 +562,22 @@ class StageServer(ServicerBase):
             reason = "too many requests in flight; try another peer"
         elif self._pending * self.seconds_per_request > MAX_QUEUE_WAIT_SHARE * self.manifest.training.timeouts.forward:
             reason = f"a queue of about {self._pending * self.seconds_per_request:.1f} s here; try another peer"
-        elif self._pending_by_caller.get(caller, 0) >= MAX_PENDING_PER_CALLER:
+        elif caller != self.peer_id and self._pending_by_caller.get(caller, 0) >= MAX_PENDING_PER_CALLER:
             reason = f"you have {MAX_PENDING_PER_CALLER} requests in flight here already; try another peer"
         if reason is None:
             return None
         self.busy_replies += 1
         return protocol.make_error_reply(reason, "busy")
+
+    def _outsider_refusal(self, metadata: bytes, caller: str) -> runtime_pb2.ExpertResponse | None:
+        """In a private swarm, refuse a request whose metadata does not prove membership, before any other work."""
+        if not self.manifest.private:
+            return None
+        try:
+            protocol.decode_metadata(runtime_pb2.ExpertRequest(metadata=metadata), self.manifest, caller)
+        except BadRequestError as e:
+            return self._bad_request(caller, str(e))
+        return None
 
     def _bad_request(self, caller: str, message: str) -> runtime_pb2.ExpertResponse:
         """Count a bad request against its sender (banning it if it keeps sending them) and answer it."""
@@ -890,6 +935,12 @@ class StageServer(ServicerBase):
             self._cache and now - next(iter(self._cache.values())).created > self.manifest.training.timeouts.microbatch
         ):
             self._cache.popitem(last=False)
+
+
+async def _prepend(first: runtime_pb2.ExpertRequest, rest: AsyncIterator) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    yield first
+    async for part in rest:
+        yield part
 
 
 def announced_rate(value: float) -> float:

@@ -293,11 +293,16 @@ class StageAverager:
                 raise AveragingError("the round's result holds NaN or Inf (a peer contributed them); it was dropped")
             params = len(self.params)
             change = round_change(start[:params], result[:params], self.diloco, self.anchor if self.diloco else [])
+            # the optimizer's statistics too, when they are averaged (a huge or vanishing second moment would make
+            # the next steps huge); a new optimizer's statistics (all zero) have no scale to compare with
+            statistics = round_change(start[params:], result[params:], False, []) if start[params:] else 0.0
+            statistics_norm = sum(float(s.double().square().sum()) for s in start[params:])
             self.last_change = change
-            if not change <= MAX_ROUND_CHANGE:
+            if not change <= MAX_ROUND_CHANGE or (statistics_norm > 0 and not statistics <= MAX_ROUND_CHANGE):
                 raise AveragingError(
-                    f"the round's result would move the parameters by {change:.3g} of their norm (at most "
-                    f"{MAX_ROUND_CHANGE:g} is plausible: a peer contributed absurd values); it was dropped"
+                    f"the round's result would move the parameters by {change:.3g} of their norm and the optimizer's "
+                    f"statistics by {statistics:.3g} (at most {MAX_ROUND_CHANGE:g} is plausible: a peer contributed "
+                    "absurd values); it was dropped"
                 )
         elif self.diloco and alone:
             result = [a - s for a, s in zip(self.anchor, start)]

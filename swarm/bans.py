@@ -42,7 +42,8 @@ class Bans:
         """Count a bad request; the length of the ban it triggers in seconds, or 0.0 if none."""
         with self._lock:
             offender = self._offenders.get(peer_id)
-            if offender is None or now - offender.last_seen > FORGIVE_AFTER:
+            # forgiven after FORGIVE_AFTER clean seconds; time spent banned does not count as clean
+            if offender is None or now - max(offender.last_seen, offender.banned_until) > FORGIVE_AFTER:
                 offender = Offender()
             self._offenders[peer_id] = offender
             self._offenders.move_to_end(peer_id)

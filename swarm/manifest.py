@@ -227,17 +227,25 @@ def load_manifest(source: str | Path, timeout: float = URL_TIMEOUT) -> Manifest:
                 "changed since the URL was published (or the URL is wrong); ask the swarm's creator for the "
                 "current URL"
             )
-        return with_secret(manifest, Path.cwd())
+        return with_secret(manifest, Path.cwd(), from_url=True)
     path = Path(source)
     return with_secret(_load_manifest_file(path), path.parent)
 
 
-def with_secret(manifest: Manifest, base: Path) -> Manifest:
+def with_secret(manifest: Manifest, base: Path, from_url: bool = False) -> Manifest:
     """The manifest with its secret loaded, if it names a secret file (a relative path is relative to `base`:
-    the manifest file's folder, or the current folder for a manifest from a URL)."""
+    the manifest file's folder, or the current folder for a manifest from a URL). A manifest from a URL may
+    name only a file in the current folder or below it: it must not make any file of this machine (a key,
+    say) the swarm's secret."""
     if not manifest.private:
         return manifest
-    path = base / Path(manifest.network.secret_file).expanduser()
+    named = Path(manifest.network.secret_file)
+    if from_url and (named.is_absolute() or ".." in named.parts or str(named).startswith("~")):
+        raise ManifestError(
+            f"network.secret_file {str(named)[:200]!r}: a manifest from a URL may name only a file in the current "
+            "folder (or below it); download the manifest and keep it next to the secret file instead"
+        )
+    path = base / named.expanduser()
     return dataclasses.replace(manifest, secret=read_secret(path))
 
 

@@ -49,3 +49,12 @@ def test_the_table_is_bounded(monkeypatch):
     for i in range(500):
         bans.record_bad_request(f"peer{i}", float(i))
     assert len(bans._offenders) == 50
+
+
+def test_time_spent_banned_does_not_count_as_clean():
+    bans, now = Bans(), 0.0
+    for _ in range(8):  # up to the longest ban
+        length = offend(bans, "a", now)
+        now += length + 1
+    assert length == MAX_BAN
+    assert offend(bans, "a", now) == MAX_BAN  # right after a maximal ban: not forgiven

@@ -64,6 +64,18 @@ def test_a_manifest_names_the_secret_file_and_never_holds_the_secret(tmp_path):
         load_manifest(tmp_path / "m.json")
 
 
+def test_a_manifest_from_a_url_cannot_make_any_file_the_secret(tmp_path):
+    from swarm.manifest import with_secret
+
+    for named in ("/etc/hostname", "../secret", "~/.ssh/id_rsa"):
+        manifest = manifest_from_dict(tiny_manifest_dict(network={"secret_file": named}))
+        with pytest.raises(ManifestError, match="a manifest from a URL may name only a file"):
+            with_secret(manifest, tmp_path, from_url=True)
+    write_secret(tmp_path / "swarm.secret")
+    manifest = manifest_from_dict(tiny_manifest_dict(network={"secret_file": "swarm.secret"}))
+    assert with_secret(manifest, tmp_path, from_url=True).secret is not None
+
+
 def test_the_dht_authorizer_refuses_forged_and_replayed_requests():
     from hivemind.proto import dht_pb2
 
@@ -144,6 +156,11 @@ def test_outsiders_cannot_read_call_or_join_a_private_swarm(start_peer, write_ma
                 with pytest.raises(RemoteStageError, match="this swarm is private") as refusal:
                     protocol.decode_reply(reply, elements)
                 assert refusal.value.code == "bad_request"
+            # the same by stream (a large expected reply forces one): refused on its first part
+            request = protocol.make_request(manifest, 1, "mb", tensors, train=False)
+            reply = await call_stage(p2p, last_id, "forward", request, 10.0, 10**6)
+            with pytest.raises(RemoteStageError, match="this swarm is private"):
+                protocol.decode_reply(reply, elements)
             with pytest.raises(RemoteStageError, match="this swarm is private"):
                 await fetch_manifest(p2p, last_id, 10.0)
             outsider_view = dataclasses.replace(manifest, secret=SwarmSecret(b"guess" * 8))  # a wrong secret
