@@ -70,7 +70,7 @@ MAX_PENDING_PER_CALLER = 16  # so that one caller (or a flood from one peer) can
 # A slow peer takes fewer: past this share of the forward timeout of expected queueing (requests in flight x
 # seconds per request), a new request would likely time out in the queue, so the caller is better off elsewhere.
 MAX_QUEUE_WAIT_SHARE = 0.5
-MAX_CONTROL_REQUEST_BYTES = 65536
+MAX_CONTROL_REQUEST_BYTES = 2**20  # a state request is tiny; a larger one is read to its end, so its refusal arrives
 MAX_DRAINS = 8  # refused request streams read to their end at once (so that their reply arrives); more are cut
 MAX_CONTROL_CALLS = 4  # state downloads served at once; each holds up to a stage's state in memory
 ACTIVATION_CACHE_BYTES = 1 << 30
@@ -469,7 +469,7 @@ class StageServer(ServicerBase):
         finally:
             self._control_calls -= 1
         if len(messages) != 1 or messages[0].ByteSize() > MAX_CONTROL_REQUEST_BYTES:
-            yield self._bad_request(caller, "a state request is one message of at most 64 KiB")
+            yield self._bad_request(caller, "a state request is one message of at most 1 MiB")
             return
         (request,) = messages
         try:
