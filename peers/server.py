@@ -382,6 +382,7 @@ class StageServer(ServicerBase):
             except (StopAsyncIteration, TimeoutError):
                 return protocol.make_error_reply("the request stream did not start in time", "bad_request")
             if (refusal := self._outsider_refusal(first.metadata, caller)) is not None:
+                await self._drain(requests)  # no slot taken; bounded like every refused stream's
                 return refusal
             requests = _prepend(first, requests)
         self._take_slot(caller)

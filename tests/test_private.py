@@ -156,11 +156,11 @@ def test_outsiders_cannot_read_call_or_join_a_private_swarm(start_peer, write_ma
                 with pytest.raises(RemoteStageError, match="this swarm is private") as refusal:
                     protocol.decode_reply(reply, elements)
                 assert refusal.value.code == "bad_request"
-            # the same by stream (a large expected reply forces one): refused on its first part
+            # the same by stream (a large expected reply forces one): refused on its first part, before the rest is
+            # read, so the refusal itself may be lost with the stream (an outsider is owed no explanation)
             request = protocol.make_request(manifest, 1, "mb", tensors, train=False)
-            reply = await call_stage(p2p, last_id, "forward", request, 10.0, 10**6)
-            with pytest.raises(RemoteStageError, match="this swarm is private"):
-                protocol.decode_reply(reply, elements)
+            with pytest.raises(RemoteStageError, match="this swarm is private|ended the stream without a reply"):
+                protocol.decode_reply(await call_stage(p2p, last_id, "forward", request, 10.0, 10**6), elements)
             with pytest.raises(RemoteStageError, match="this swarm is private"):
                 await fetch_manifest(p2p, last_id, 10.0)
             outsider_view = dataclasses.replace(manifest, secret=SwarmSecret(b"guess" * 8))  # a wrong secret
