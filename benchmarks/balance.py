@@ -36,8 +36,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from peers import runtime  # noqa: E402
 from peers.demo import start_peer, stop_peers  # noqa: E402
+from swarm import joining  # noqa: E402
 from swarm.balancing import optimal_assignment  # noqa: E402
 from swarm.manifest import manifest_from_dict  # noqa: E402
 from swarm.model import build_stage  # noqa: E402
@@ -208,8 +208,8 @@ def main() -> int:
     optimal_stages, optimal_units = optimal_assignment(speeds, STAGES)
     log(f"reference {reference:.0f} samples/s per stage; speeds {speeds}; optimum {optimal_units} units; logs {logs}")
 
-    sockets_before = runtime.daemon_sockets()
-    dht = runtime.start_dht([], runtime.LOOPBACK)
+    sockets_before = joining.daemon_sockets()
+    dht = joining.start_dht([], joining.LOOPBACK)
     bootstrap = [str(a) for a in dht.get_visible_maddrs()]
     result: dict = {"speeds": speeds, "stages": STAGES, "unit_samples_per_second": args.unit}
     try:
@@ -226,7 +226,7 @@ def main() -> int:
         result["b_over_c"] = round(b_rate / c_rate, 3)
     finally:
         dht.shutdown()
-        runtime.remove_stale_sockets(runtime.daemon_sockets() - sockets_before)  # killed peers' daemons leave them
+        joining.remove_stale_sockets(joining.daemon_sockets() - sockets_before)  # killed peers' daemons leave them
     result["logs"] = str(logs)
     print(json.dumps(result))
     return 0

@@ -75,11 +75,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from peers import processes, runtime  # noqa: E402
-from peers.export import assemble_full_state, stage_parameters, stage_state_shapes  # noqa: E402
-from peers.server import download_state  # noqa: E402
-from peers.trainer import Trainer  # noqa: E402
-from swarm import PROTOCOL_VERSION  # noqa: E402
+from swarm import PROTOCOL_VERSION, joining  # noqa: E402
+from swarm.client.rpc import download_state  # noqa: E402
+from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.data import TextData, heldout_batches  # noqa: E402
+from swarm.export import assemble_full_state, stage_parameters, stage_state_shapes  # noqa: E402
 from swarm.manifest import Manifest, manifest_from_dict  # noqa: E402
 from swarm.model import build_full_model  # noqa: E402
 from swarm.records import Announcement, announcement_lifetime, fetch_announcements  # noqa: E402
@@ -809,7 +809,7 @@ def run(name: str, workdir: Path, settings: Settings, manifest: Manifest, batche
         logging.getLogger("peers.trainer").info(f"the run began {time.monotonic() - swarm.began:.1f}s ago")
         swarm.start()
         swarm.say(f"{name}: every peer serves")
-        dht = runtime.start_dht([p.maddr for p in swarm.peers], runtime.LOOPBACK)
+        dht = joining.start_dht([p.maddr for p in swarm.peers], joining.LOOPBACK)
         outcome = asyncio.run(drive(swarm, dht, events, batches))
     finally:
         stop_all(swarm.peers)

@@ -41,10 +41,11 @@ sys.path.insert(0, str(ROOT))
 
 from peers import runtime  # noqa: E402
 from peers.demo import start_peer, stop_peers  # noqa: E402
-from peers.export import assemble_full_state, stage_parameters, stage_state_shapes  # noqa: E402
-from peers.server import download_state  # noqa: E402
-from peers.trainer import Trainer  # noqa: E402
+from swarm import joining  # noqa: E402
+from swarm.client.rpc import download_state  # noqa: E402
+from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.data import TextData, heldout_batches, sample_batch  # noqa: E402
+from swarm.export import assemble_full_state, stage_parameters, stage_state_shapes  # noqa: E402
 from swarm.manifest import Manifest, load_manifest  # noqa: E402
 from swarm.model import build_full_model, build_stage, count_parameters  # noqa: E402
 from swarm.records import fetch_announcements  # noqa: E402
@@ -92,7 +93,7 @@ def swarm_run(manifest: Manifest, mode: str, samples: int, batches, workdir: Pat
     manifest = dataclasses.replace(manifest, averaging=dataclasses.replace(manifest.averaging, mode=mode))
     logs = workdir / mode
     logs.mkdir(parents=True)
-    dht = runtime.start_dht([], runtime.LOOPBACK)
+    dht = joining.start_dht([], joining.LOOPBACK)
     manifest = manifest.with_initial_peers([str(a) for a in dht.get_visible_maddrs()])
     path = logs / "manifest.json"
     path.write_text(manifest.to_json())

@@ -6,7 +6,7 @@ Starts one `swarm-peer` process serving the last stage (no trainer, 1 thread, lo
 training forwards ([inputs, targets]; the last stage runs backward and an optimizer step within forward) over
 the real RPC path: `--clients` hivemind P2P identities in this process, each with `--concurrency` tasks that
 send one request after another. By default they keep 128 requests in flight, twice the peer's queue limit
-(peers.server.MAX_PENDING_REQUESTS), and each client no more than the peer's limit per caller, so that part of
+(swarm.server.admission.MAX_PENDING_REQUESTS), and each client no more than the peer's limit per caller, so that part of
 them get 'busy' replies because the queue is full; a task that gets one waits as a trainer does when no other
 peer of the stage is free (peers.trainer.NO_PEER_WAIT), then sends again.
 
@@ -43,14 +43,16 @@ from hivemind.p2p import P2P
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from peers import runtime, server  # noqa: E402
+from peers import runtime  # noqa: E402
 from peers.processes import memory_mb, peer_processes, stop_peers  # noqa: E402
-from peers.server import MAX_PENDING_REQUESTS, call_stage  # noqa: E402
-from peers.trainer import NO_PEER_WAIT  # noqa: E402
-from swarm import protocol  # noqa: E402
+from swarm import joining, protocol  # noqa: E402
+from swarm.client.rpc import call_stage  # noqa: E402
+from swarm.client.trainer import NO_PEER_WAIT  # noqa: E402
 from swarm.errors import RemoteStageError  # noqa: E402
 from swarm.manifest import Manifest, manifest_from_dict  # noqa: E402
 from swarm.presets import new_manifest  # noqa: E402
+from swarm.server import stage as server  # noqa: E402
+from swarm.server.stage import MAX_PENDING_REQUESTS  # noqa: E402
 
 MEMORY_PERIOD = 0.5  # seconds between two samples of the peer's memory
 PROGRESS_PERIOD = 10.0
@@ -93,7 +95,7 @@ def load_benchmark_manifest(path: str | None) -> Manifest:
 def start_peer(manifest_path: Path, stage: int, folder: Path, duration: float) -> subprocess.Popen:
     """A swarm-peer serving `stage`, in its own session (process group), its output in folder/peer.log."""
     args = ["--join", str(manifest_path), "--stage", str(stage), "--no-trainer"]
-    args += ["--host-maddrs", runtime.LOOPBACK[0], "--threads", "1", "--json", "--throughput", "100"]
+    args += ["--host-maddrs", joining.LOOPBACK[0], "--threads", "1", "--json", "--throughput", "100"]
     args += ["--checkpoint-dir", str(folder / "checkpoints"), "--checkpoint-every", "0"]
     args += ["--duration", str(duration + 600)]  # an orphaned peer (this process killed) stops by itself
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_CACHE_DIR": str(folder / "cache")}
@@ -249,7 +251,7 @@ async def run_load(
     tally = Tally()
     try:
         for _ in range(args.clients):
-            clients.append(await P2P.create(initial_peers=[maddr], host_maddrs=runtime.LOOPBACK))
+            clients.append(await P2P.create(initial_peers=[maddr], host_maddrs=joining.LOOPBACK))
         # one request first: a peer that cannot be reached at all fails here, with its reason
         probe = [torch.randn(*shape, config.width), torch.zeros(shape, dtype=torch.int64)]
         request = protocol.make_request(manifest, stage, "warmup", probe, train=True)

@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from peers import runtime  # noqa: E402
 from peers.demo import start_peer, stop_peers  # noqa: E402
-from peers.trainer import Trainer  # noqa: E402
+from swarm import joining  # noqa: E402
+from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.data import TextData, sample_batch  # noqa: E402
 from swarm.manifest import Manifest, load_manifest  # noqa: E402
 from swarm.model import build_full_model  # noqa: E402
@@ -72,7 +73,7 @@ def single_process(manifest: Manifest, samples: int) -> dict:
 def swarm(manifest_path: Path, samples: int) -> dict:
     """(b): 2 stage peers on loopback, a trainer here."""
     manifest = load_manifest(manifest_path)
-    dht = runtime.start_dht([], runtime.LOOPBACK)
+    dht = joining.start_dht([], joining.LOOPBACK)
     logs = Path(tempfile.mkdtemp(prefix="swarm-bench-"))
     manifest = manifest.with_initial_peers([str(a) for a in dht.get_visible_maddrs()])
     path = logs / "manifest.json"

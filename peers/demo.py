@@ -22,14 +22,15 @@ from rich.table import Table
 
 from peers import runtime
 from peers.processes import stop_peers
-from peers.reachability import NAMESPACE as REACHABILITY_NAMESPACE
-from peers.reachability import ReachabilityService
-from peers.trainer import Trainer
+from swarm import joining
+from swarm.client.trainer import Trainer
 from swarm.data import TextData, heldout_batches
 from swarm.errors import SwarmError
 from swarm.manifest import Manifest, load_manifest
 from swarm.model import build_full_model
 from swarm.records import fetch_announcements, fetch_trainer_reports
+from swarm.server.reachability import NAMESPACE as REACHABILITY_NAMESPACE
+from swarm.server.reachability import ReachabilityService
 
 DEMO_MANIFEST = Path(__file__).resolve().parents[1] / "examples" / "demo.json"
 EVAL_BATCHES = 8
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         manifest = load_manifest(args.manifest)
         if args.peers < manifest.num_stages:
             raise SwarmError(f"--peers {args.peers}: the swarm has {manifest.num_stages} stages, each needs a peer")
-        dht = runtime.start_dht([], runtime.LOOPBACK)
+        dht = joining.start_dht([], joining.LOOPBACK)
     except SwarmError as e:
         print(f"swarm-demo: error: {e}", file=sys.stderr)
         return 2
@@ -208,7 +209,7 @@ def start_peer(
     manifest_path: Path, stage: int | None, log_path: Path, trainer: bool = True, extra: Sequence[str] = ()
 ) -> subprocess.Popen:
     """Start a swarm-peer process on loopback (serving `stage`, or choosing one itself if None)."""
-    args = ["--join", str(manifest_path), "--host-maddrs", runtime.LOOPBACK[0]]
+    args = ["--join", str(manifest_path), "--host-maddrs", joining.LOOPBACK[0]]
     args += [] if stage is None else ["--stage", str(stage)]
     args += ["--threads", "1", "--status-every", "5", "--log-level", "WARNING", "--json"]
     args += [] if trainer else ["--no-trainer"]

@@ -13,20 +13,21 @@ from pathlib import Path
 
 import torch
 
-from peers import reachability, runtime
-from peers.identity import claim_identity, identity_taken, without_own_address
-from peers.metrics import start_metrics_server
-from peers.reachability import ReachabilityService, ReverseConnector, check_reachability
-from peers.rebalancer import Rebalancer, ServingOptions
-from peers.server import StageServer
-from peers.trainer import Trainer
-from swarm import __version__
+from peers import runtime
+from swarm import __version__, joining
 from swarm.checkpoint import default_checkpoint_dir
+from swarm.client.trainer import Trainer
 from swarm.data import TextData
 from swarm.errors import PeerStartError, SwarmError
+from swarm.identity import claim_identity, identity_taken, without_own_address
 from swarm.manifest import Manifest, write_manifest
+from swarm.metrics import start_metrics_server
 from swarm.model import count_parameters
 from swarm.records import MAX_THROUGHPUT, announceable
+from swarm.server import reachability
+from swarm.server.reachability import ReachabilityService, ReverseConnector, check_reachability
+from swarm.server.rebalancer import Rebalancer, ServingOptions
+from swarm.server.stage import StageServer
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
 
 logger = logging.getLogger("swarm-peer")
@@ -218,12 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     dht = None
     identity = None  # the locked identity file, held open while the peer runs
     try:
-        host_maddrs = args.host_maddrs or runtime.ALL_INTERFACES
+        host_maddrs = args.host_maddrs or joining.ALL_INTERFACES
         # The DHT forks its own process: start it before any thread exists.
-        manifest = runtime.read_join(args.join)  # None: --join names a peer, which hands out the manifest (below)
+        manifest = joining.read_join(args.join)  # None: --join names a peer, which hands out the manifest (below)
         if manifest is not None:
             check_stage_flag(args, manifest)
-        initial_peers = [] if args.new_swarm else runtime.bootstrap_peers(args.join, manifest)
+        initial_peers = [] if args.new_swarm else joining.bootstrap_peers(args.join, manifest)
         identity_path = Path(args.identity).expanduser() if args.identity else None
         if identity_path is not None:
             own_id, identity = claim_identity(identity_path)
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if not initial_peers and not args.new_swarm:
             print("the manifest lists no initial peers: starting a new swarm", flush=True)
         args.reachable = decide_reachability(args, initial_peers, host_maddrs, manifest)
-        dht = runtime.start_dht(
+        dht = joining.start_dht(
             initial_peers,
             host_maddrs,
             args.announce_maddrs,
@@ -299,7 +300,7 @@ def check_stage_flag(args: argparse.Namespace, manifest: Manifest) -> None:
 
 def publish_addresses(args: argparse.Namespace, manifest: Manifest, addrs: list[str]) -> None:
     """Write the manifest with this peer's addresses as initial peers, ready for the swarm's creator to publish."""
-    own = runtime.publishable_maddrs(addrs)
+    own = joining.publishable_maddrs(addrs)
     others = [] if args.new_swarm else [a for a in manifest.initial_peers if a not in own]
     path = Path(args.write_manifest or args.join)
     published = manifest.with_initial_peers(own + others)
@@ -316,13 +317,13 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
     runtime.install_stop_handlers(stop)
     p2p = await dht.replicate_p2p()
     if manifest is None:
-        manifest = await runtime.manifest_through_peer(p2p, args.join, manifest)
+        manifest = await joining.manifest_through_peer(p2p, args.join, manifest)
         check_stage_flag(args, manifest)
     peer_id = str(dht.peer_id)
     print(f"swarm {manifest.name!r} (id {manifest.swarm_id}), peer {peer_id}", flush=True)
     service = ReachabilityService(manifest)  # answers other peers' "can you dial me?"
     await service.add_p2p_handlers(p2p, namespace=reachability.NAMESPACE)
-    maddrs = [] if args.no_listen else runtime.visible_maddrs(dht)  # hivemind logs an error for a non-listener
+    maddrs = [] if args.no_listen else joining.visible_maddrs(dht)  # hivemind logs an error for a non-listener
     if args.reachable:
         print("reachable at:", flush=True)
         for addr in maddrs:

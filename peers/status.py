@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from peers import runtime
-from swarm import __version__
+from swarm import __version__, joining
 from swarm.errors import SwarmError
 from swarm.health import DEGRADED, UNREACHABLE, exit_code, find_peer, swarm_health
 from swarm.manifest import Manifest
@@ -68,15 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     runtime.setup_logging("ERROR")  # a monitor prints its view, not hivemind's chatter
     dht = None
     try:
-        manifest = runtime.read_join(args.join)  # None: --join names a peer, which hands out the manifest
-        initial_peers = runtime.bootstrap_peers(args.join, manifest)
+        manifest = joining.read_join(args.join)  # None: --join names a peer, which hands out the manifest
+        initial_peers = joining.bootstrap_peers(args.join, manifest)
         if not initial_peers:
             raise SwarmError(
                 "the manifest lists no initial peers, so there is no swarm to reach; use the manifest that the "
                 "swarm's first peer wrote (swarm-peer --new-swarm), or --join the multiaddr of a running peer"
             )
         # a monitor accepts no connections: it only reads, over the connections it opens
-        dht = runtime.start_dht(
+        dht = joining.start_dht(
             initial_peers, [], client_mode=True, no_listen=True, secret=manifest.secret if manifest else None
         )
         return asyncio.run(watch(args, manifest, dht))
@@ -99,7 +99,7 @@ async def watch(args: argparse.Namespace, manifest: Manifest | None, dht) -> int
         return await show(args, manifest, dht)
     p2p = await dht.replicate_p2p()
     try:
-        return await show(args, await runtime.manifest_through_peer(p2p, args.join, manifest), dht)
+        return await show(args, await joining.manifest_through_peer(p2p, args.join, manifest), dht)
     finally:
         await p2p.shutdown()  # else its p2pclient socket file stays behind in /tmp
 

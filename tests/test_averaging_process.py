@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from conftest import client_dht, tiny_manifest_dict
-from peers.server import StageServer, call_stage, download_state
 from swarm import protocol
+from swarm.client.rpc import call_stage, download_state
 from swarm.manifest import manifest_from_dict
 from swarm.model import build_stage
 from swarm.records import fetch_announcements
+from swarm.server.stage import StageServer
 from swarm.throughput import Throughput
 
 pytestmark = pytest.mark.integration

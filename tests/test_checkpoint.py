@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from conftest import tiny_manifest_dict
-from peers.server import StageServer
 from swarm.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
 from swarm.errors import BadRequestError
 from swarm.manifest import manifest_from_dict
 from swarm.model import build_stage
+from swarm.server.stage import StageServer
 from swarm.throughput import Throughput
 
 

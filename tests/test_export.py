@@ -20,20 +20,20 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, client_dht, tiny_manifest_dict
-from peers.export import (
+from peers.export import main as export_main
+from peers.export import print_summary
+from swarm.client.rpc import download_state
+from swarm.export import (
     ExportError,
     StageSource,
     assemble_full_state,
     check_output_path,
     export_metadata,
     full_parameter_name,
-    print_summary,
     stage_parameters,
     stage_state_shapes,
     write_safetensors,
 )
-from peers.export import main as export_main
-from peers.server import download_state
 from swarm.manifest import manifest_from_dict
 from swarm.model import build_full_model, build_stage
 from swarm.records import fetch_announcements
@@ -211,7 +211,7 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 @pytest.mark.integration
 def test_export_of_a_trained_swarm_matches_its_peers(start_peer, write_manifest, tmp_path):
-    from peers.trainer import Trainer
+    from swarm.client.trainer import Trainer
 
     raw = tiny_manifest_dict()
     flags = ("--no-trainer", "--throughput", "100", "--bandwidth", "1000", "--status-every", "1")

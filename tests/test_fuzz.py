@@ -44,14 +44,15 @@ from hivemind.utils import MSGPackSerializer
 
 from conftest import LOOPBACK, PeerProcess, tiny_manifest_dict
 from peers import processes
-from peers.reachability import NAMESPACE as REACHABILITY_NAMESPACE
-from peers.server import NAMESPACE, StageServer, download_state
 from swarm import PROTOCOL_VERSION, protocol
 from swarm.bans import BAD_REQUESTS_BEFORE_BAN
 from swarm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from swarm.client.rpc import download_state
 from swarm.errors import BadRequestError, ManifestError
 from swarm.manifest import Manifest, manifest_from_dict, parse_manifest
 from swarm.model import build_stage
+from swarm.server.reachability import NAMESPACE as REACHABILITY_NAMESPACE
+from swarm.server.stage import NAMESPACE, StageServer
 from swarm.throughput import Throughput
 
 integration = pytest.mark.integration

@@ -8,8 +8,8 @@ import signal
 import pytest
 
 from conftest import tiny_manifest_dict
-from peers.identity import claim_identity, without_own_address
 from swarm.errors import PeerStartError
+from swarm.identity import claim_identity, without_own_address
 
 pytestmark = pytest.mark.integration
 

@@ -16,15 +16,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from conftest import tiny_manifest_dict
-from peers.metrics import PeerCollector, start_metrics_server
 from peers.peer import parse_args
-from peers.rebalancer import Rebalancer, ServingOptions
-from peers.server import StageServer
-from peers.trainer import Trainer
 from swarm import __version__
+from swarm.client.trainer import Trainer
 from swarm.errors import PeerStartError
 from swarm.manifest import manifest_from_dict
+from swarm.metrics import PeerCollector, start_metrics_server
 from swarm.model import build_stage
+from swarm.server.rebalancer import Rebalancer, ServingOptions
+from swarm.server.stage import StageServer
 from swarm.throughput import Throughput
 
 

@@ -12,9 +12,9 @@ import torch
 from hivemind import DHT
 
 from conftest import client_dht, tiny_manifest_dict
-from peers.server import call_stage
-from peers.trainer import Trainer
 from swarm import protocol
+from swarm.client.rpc import call_stage
+from swarm.client.trainer import Trainer
 from swarm.data import TextData, heldout_batches
 from swarm.errors import RemoteStageError
 from swarm.manifest import manifest_from_dict

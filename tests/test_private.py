@@ -15,13 +15,13 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 
 from conftest import LOOPBACK, tiny_manifest_dict
-from peers.reachability import check_reachability
-from peers.server import call_stage, download_state, fetch_manifest
 from swarm import protocol
+from swarm.client.rpc import call_stage, download_state, fetch_manifest
 from swarm.errors import ManifestError, RemoteStageError
 from swarm.manifest import load_manifest, manifest_from_dict
 from swarm.records import fetch_announcements
 from swarm.secret import SecretAuthorizer, SwarmSecret, read_secret, write_secret
+from swarm.server.reachability import check_reachability
 
 # -------------------------------------------------------------------------------------------- pure parts
 

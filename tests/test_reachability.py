@@ -14,7 +14,9 @@ import pytest
 from hivemind import DHT
 
 from conftest import LOOPBACK, ROOT, tiny_manifest_dict
-from peers.reachability import (
+from swarm.manifest import load_manifest, manifest_from_dict
+from swarm.records import Announcement, SwarmView, announcement_lifetime, store_announcement
+from swarm.server.reachability import (
     NAMESPACE,
     ReachabilityService,
     ReverseConnector,
@@ -22,8 +24,6 @@ from peers.reachability import (
     direct_addresses,
     verdict_of,
 )
-from swarm.manifest import load_manifest, manifest_from_dict
-from swarm.records import Announcement, SwarmView, announcement_lifetime, store_announcement
 
 PEER = "12D3KooWEKYnHv3sXsjiyHYCaWwTAudbWmyGtnL2RZJUbA9FnEdV"
 

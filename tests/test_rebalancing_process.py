@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from conftest import client_dht, tiny_manifest_dict
-from peers.server import StageServer, download_state
+from swarm.client.rpc import download_state
 from swarm.manifest import manifest_from_dict
 from swarm.model import build_stage
+from swarm.server.stage import StageServer
 from swarm.throughput import Throughput
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ from conftest import tiny_manifest_dict
 from swarm.errors import BadRequestError
 from swarm.manifest import manifest_from_dict
 from swarm.model import build_stage
-from swarm.stage_state import load_state_tensors, state_tensors
+from swarm.server.state import load_state_tensors, state_tensors
 from swarm.throughput import (
     DeliveredThroughput,
     SimulatedSpeed,

@@ -29,10 +29,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from peers.rebalancer import Rebalancer
-from peers.trainer import Trainer
 from swarm import PROTOCOL_VERSION, __version__
+from swarm.client.trainer import Trainer
 from swarm.errors import PeerStartError
+from swarm.server.rebalancer import Rebalancer
 from swarm.throughput import device_name
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from multiaddr import Multiaddr
 
-from peers.runtime import daemon_sockets, remove_stale_sockets
+from swarm.joining import daemon_sockets, remove_stale_sockets
 from swarm.manifest import Manifest
 from swarm.protocol import MSGPackSerializer, unpack
 from swarm.records import SwarmView, fetch_trainer_reports

@@ -29,14 +29,15 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from peers.server import STATE_SOURCES, StageServer, Traffic, announced_rate, download_state, probe_bandwidth
 from swarm.balancing import PeerLoad, choose_stage, should_move, stage_totals
 from swarm.checkpoint import find_checkpoint
+from swarm.client.rpc import download_state, probe_bandwidth
 from swarm.errors import PeerStartError, SwarmError
 from swarm.manifest import Manifest
 from swarm.model import build_stage
 from swarm.records import Announcement, SwarmView, announcement_lifetime
 from swarm.routing import online_peers
+from swarm.server.stage import STATE_SOURCES, StageServer, Traffic, announced_rate
 from swarm.throughput import (
     DEFAULT_BANDWIDTH_MBITS,
     SimulatedSpeed,

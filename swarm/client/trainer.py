@@ -26,13 +26,14 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from peers.server import StageServer, Traffic, call_stage
 from swarm import protocol
+from swarm.client.rpc import call_stage
 from swarm.data import sample_batch
 from swarm.errors import MicrobatchFailedError, RemoteStageError
 from swarm.manifest import Manifest
 from swarm.records import SwarmView, TrainerReport, announceable, announcement_lifetime, store_trainer_report
 from swarm.routing import Router, online_peers
+from swarm.server.stage import StageServer, Traffic
 
 logger = logging.getLogger(__name__)
 

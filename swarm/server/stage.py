@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +30,7 @@ from typing import AsyncIterator  # noqa: UP035 (hivemind detects streams by typ
 
 import torch
 from hivemind import DHT
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
@@ -47,11 +46,11 @@ from swarm.averaging import (
 )
 from swarm.bans import Bans
 from swarm.checkpoint import save_checkpoint
-from swarm.errors import BadRequestError, ManifestError, RemoteStageError, SwarmError
-from swarm.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from swarm.errors import BadRequestError
+from swarm.manifest import Manifest
 from swarm.model import StageModel
 from swarm.records import MAX_THROUGHPUT, Announcement, SwarmView, announcement_lifetime, store_announcement
-from swarm.stage_state import expected_shapes, load_state_tensors, state_tensors
+from swarm.server.state import expected_shapes, load_state_tensors, state_tensors
 from swarm.throughput import (
     FORWARD_SHARE,
     PROBE_BYTES,
@@ -59,7 +58,6 @@ from swarm.throughput import (
     SimulatedSpeed,
     Throughput,
     device_name,
-    measure_bandwidth,
 )
 
 logger = logging.getLogger(__name__)
@@ -687,6 +685,8 @@ class StageServer(ServicerBase):
             logger.info(f"stage {self.stage} is at averaging round {stage_round}; catching up")
             self.rounds.round, self.rounds.round_started_at = stage_round, self.samples_served
             return
+        from swarm.client.rpc import download_state  # (temporary)
+
         assert self._p2p is not None
         for peer_id in ahead[:STATE_SOURCES]:
             try:
@@ -961,119 +961,3 @@ def _activation_bytes_estimate(manifest: Manifest, stage: int) -> int:
     config, training = manifest.model, manifest.training
     per_layer = 20 * training.microbatch_size * config.context_length * config.width * 4
     return per_layer * max(1, len(manifest.stage_layers(stage)))
-
-
-async def call_stage(
-    p2p: P2P,
-    peer_id: str,
-    kind: str,
-    request: runtime_pb2.ExpertRequest,
-    timeout: float,
-    reply_elements: int,
-) -> runtime_pb2.ExpertResponse:
-    """Send one forward or backward request to a stage peer: unary when it fits, by stream otherwise."""
-    stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
-    if not protocol.needs_stream(request.ByteSize(), reply_elements):
-        return await getattr(stub, f"rpc_{kind}")(request, timeout=timeout)
-
-    async def exchange() -> runtime_pb2.ExpertResponse:
-        async def parts():
-            for part in protocol.split_message(request):
-                yield part
-
-        replies = await getattr(stub, f"rpc_{kind}_stream")(parts())
-        # a reply holds at most the loss and one activation-sized tensor
-        reply = await protocol.combine_message(replies, runtime_pb2.ExpertResponse, reply_elements * 4 + 4096)
-        if not reply.metadata:  # every reply has metadata: the stream ended without one
-            raise RemoteStageError(
-                "the peer ended the stream without a reply (it may have refused the call)", "internal"
-            )
-        return reply
-
-    return await asyncio.wait_for(exchange(), timeout=timeout)
-
-
-async def fetch_manifest(p2p: P2P, peer_id: str, timeout: float) -> str:
-    """The manifest (JSON text, not yet validated) of the swarm that `peer_id` serves."""
-    stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
-    reply = await asyncio.wait_for(stub.rpc_manifest(runtime_pb2.ExpertRequest(), timeout=timeout), timeout)
-    try:
-        metadata = protocol.unpack(reply.metadata) if len(reply.metadata) < MAX_MANIFEST_BYTES else None
-    except ValueError:
-        metadata = None
-    if isinstance(metadata, dict) and isinstance(metadata.get("error"), str):
-        raise RemoteStageError(metadata["error"][:500], "bad_request")
-    text = metadata.get("manifest") if isinstance(metadata, dict) else None
-    if not isinstance(text, str):
-        raise RemoteStageError("the peer's reply holds no manifest", "internal")
-    return text
-
-
-async def manifest_from_peer(p2p: P2P, maddr: str) -> Manifest:
-    """The validated manifest of the swarm that the peer at `maddr` (a multiaddr with /p2p/<id>) serves."""
-    try:
-        return parse_manifest(await fetch_manifest(p2p, maddr.rsplit("/p2p/", 1)[1], timeout=15.0), origin="it")
-    except ManifestError as e:
-        raise ManifestError(f"the peer at {maddr} sent a manifest that is not valid: {e}") from None
-    except RemoteStageError as e:  # e.g. a private swarm's peer, which does not hand its manifest out
-        raise SwarmError(f"the peer at {maddr} did not hand out its manifest: {e}") from None
-    except Exception as e:  # not a swarm peer, gone, or too slow
-        raise SwarmError(
-            f"could not get the manifest from the peer at {maddr} ({type(e).__name__}: {str(e)[:200]}); is it a "
-            "running swarm-peer? Or join with the manifest's path or URL"
-        ) from None
-
-
-async def probe_bandwidth(p2p: P2P, peer_id: str, manifest: Manifest, timeout: float = 20.0) -> tuple[float, float]:
-    """(download, upload) bytes per second between this peer and `peer_id`, measured with probe calls."""
-    stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
-
-    async def exchange(upload_bytes: int, download_bytes: int) -> None:
-        request = protocol.make_control_request(manifest, manifest.proof(str(p2p.peer_id)), reply_bytes=download_bytes)
-        if upload_bytes:
-            request.tensors.append(protocol.encode_tensor(torch.zeros(upload_bytes // 4)))
-        protocol.decode_reply(await stub.rpc_probe(request, timeout=timeout), PROBE_BYTES // 4)
-
-    return await asyncio.wait_for(measure_bandwidth(exchange), timeout=4 * timeout)
-
-
-TRUNCATED_STATE_ATTEMPTS = 3
-
-
-async def download_state(
-    p2p: P2P, peer_id: str, manifest: Manifest, stage: int, shapes: dict[str, tuple[int, ...]], timeout: float
-) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
-    """Fetch the state of `stage` from `peer_id`: named tensors (not yet checked against the model, see
-    StageServer.load_state; `shapes` are the names it may hold, from StageServer.state_shapes) and its counters
-    (optimizer_steps, averaging_round). Raises RemoteStageError on a refusal or a malformed reply."""
-    max_bytes = sum(4 * math.prod(shape) for shape in shapes.values()) + 64 * len(shapes) + 65536
-    stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
-    request = protocol.make_control_request(manifest, manifest.proof(str(p2p.peer_id)), stage=stage)
-
-    async def one_request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        yield request
-
-    async def fetch() -> runtime_pb2.ExpertResponse:
-        parts = await stub.rpc_download_state(one_request())
-        return await protocol.combine_message(parts, runtime_pb2.ExpertResponse, max_bytes, max_tensors=len(shapes))
-
-    largest = max(math.prod(shape) for shape in shapes.values())
-    for attempt in range(1, TRUNCATED_STATE_ATTEMPTS + 1):
-        reply = await asyncio.wait_for(fetch(), timeout=timeout)
-        tensors = protocol.decode_reply(reply, max(largest, 1))  # raises RemoteStageError for an error reply
-        metadata = protocol.unpack(reply.metadata)  # decode_reply read it already: it is a dict
-        names = metadata.get("names")
-        # a hivemind stream that breaks ends like one that is complete: fewer tensors than names means cut short
-        if isinstance(names, list) and len(names) > len(tensors) and attempt < TRUNCATED_STATE_ATTEMPTS:
-            logger.info(f"the state from {peer_id} came cut short ({len(tensors)} of {len(names)}); asking again")
-            continue
-        break
-    if not isinstance(names, list) or len(names) != len(tensors) or not all(isinstance(n, str) for n in names):
-        raise RemoteStageError("the state's names do not match its tensors", "internal")
-    counters = {}
-    for key in STATE_COUNTERS:
-        value = metadata.get(key, 0)
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 2**53:
-            raise RemoteStageError(f"the state's {key} is not a count", "internal")
-        counters[key] = value
-    return list(zip(names, tensors)), counters
