@@ -79,10 +79,11 @@ from swarm import PROTOCOL_VERSION, joining  # noqa: E402
 from swarm.client.rpc import download_state  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.data import TextData, heldout_batches  # noqa: E402
-from swarm.export import assemble_full_state, stage_parameters, stage_state_shapes  # noqa: E402
+from swarm.export import assemble_full_state, stage_parameters  # noqa: E402
 from swarm.manifest import Manifest, manifest_from_dict  # noqa: E402
 from swarm.model import build_full_model  # noqa: E402
 from swarm.records import Announcement, announcement_lifetime, fetch_announcements  # noqa: E402
+from swarm.server.state import stage_state_shapes  # noqa: E402
 
 CHECKPOINT_EVERY = 10.0  # seconds between a peer's checkpoints
 STATUS_EVERY = 2.0  # seconds between a peer's status lines

@@ -157,17 +157,6 @@ def averaging_compression(name: str) -> CompressionBase:
     )
 
 
-def outer_state_shapes(
-    config: AveragingConfig, names: list[str], params: list[torch.nn.Parameter]
-) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of DiLoCo's outer state in a stage's state (none in the other modes)."""
-    if config.mode != "diloco":
-        return {}
-    shapes = {f"outer/{n}/anchor": tuple(p.shape) for n, p in zip(names, params)}
-    shapes.update({f"outer/{n}/momentum": tuple(p.shape) for n, p in zip(names, params)})
-    return shapes
-
-
 def averaging_prefix(manifest: Manifest, stage: int) -> str:
     """The DHT prefix of a stage's rounds: only peers of the same swarm, stage and mode ever meet (and in a
     private swarm only those who know its secret can tell where they meet)."""

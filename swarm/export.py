@@ -32,8 +32,7 @@ from swarm.manifest import Manifest
 from swarm.model import build_full_model, build_stage
 from swarm.records import Announcement, fetch_announcements
 from swarm.routing import online_peers
-from swarm.server.stage import StageServer
-from swarm.throughput import Throughput
+from swarm.server.state import stage_state_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -213,16 +212,6 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
 
 # -------------------------------------------------------------------------------------------- the swarm
-
-
-def stage_state_shapes(manifest: Manifest, stage: int) -> dict[str, tuple[int, ...]]:
-    """Every name a downloaded state of `stage` may hold, with its shape, as a StageServer of the stage expects
-    them (its optimizer's statistics, averaging state). The server is built on the meta device: no memory, no
-    initialisation, and it never serves."""
-    with torch.device("meta"):
-        model = build_stage(manifest, stage)
-    server = StageServer(manifest, stage, model, torch.device("meta"), "swarm-export", Throughput(1.0, 1.0))
-    return server.state_shapes()
 
 
 def remaining(deadline: float) -> float:

@@ -16,10 +16,8 @@ from conftest import client_dht, tiny_manifest_dict
 from swarm import protocol
 from swarm.client.rpc import call_stage, download_state
 from swarm.manifest import manifest_from_dict
-from swarm.model import build_stage
 from swarm.records import fetch_announcements
-from swarm.server.stage import StageServer
-from swarm.throughput import Throughput
+from swarm.server.state import stage_state_shapes
 
 pytestmark = pytest.mark.integration
 
@@ -41,8 +39,7 @@ class Driver:
         self.dht = client_dht(maddr)
         self.loop = asyncio.new_event_loop()
         self.p2p = self.loop.run_until_complete(self.dht.replicate_p2p())
-        template = StageServer(manifest, 0, build_stage(manifest, 0), torch.device("cpu"), "x", Throughput(1, 1))
-        self.shapes = template.state_shapes()
+        self.shapes = stage_state_shapes(manifest, 0)
         self.calls = 0
 
     def train(self, peer_id: str, seed: int, microbatches: int) -> None:

@@ -31,12 +31,12 @@ from swarm.export import (
     export_metadata,
     full_parameter_name,
     stage_parameters,
-    stage_state_shapes,
     write_safetensors,
 )
 from swarm.manifest import manifest_from_dict
 from swarm.model import build_full_model, build_stage
 from swarm.records import fetch_announcements
+from swarm.server.state import stage_state_shapes
 
 GENERATE = ROOT / "examples" / "generate.py"
 

@@ -53,6 +53,7 @@ from swarm.manifest import Manifest, manifest_from_dict, parse_manifest
 from swarm.model import build_stage
 from swarm.server.reachability import NAMESPACE as REACHABILITY_NAMESPACE
 from swarm.server.stage import NAMESPACE, StageServer
+from swarm.server.state import stage_state_shapes
 from swarm.throughput import Throughput
 
 integration = pytest.mark.integration
@@ -421,8 +422,7 @@ def memory_report(pgid: int) -> dict[str, int]:
 
 
 def state_shapes(stage: int) -> dict[str, tuple[int, ...]]:
-    server = StageServer(MANIFEST, stage, build_stage(MANIFEST, stage), torch.device("cpu"), "x", Throughput(1, 1))
-    return server.state_shapes()
+    return stage_state_shapes(MANIFEST, stage)
 
 
 @dataclass

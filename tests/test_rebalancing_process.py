@@ -13,8 +13,7 @@ from conftest import client_dht, tiny_manifest_dict
 from swarm.client.rpc import download_state
 from swarm.manifest import manifest_from_dict
 from swarm.model import build_stage
-from swarm.server.stage import StageServer
-from swarm.throughput import Throughput
+from swarm.server.state import stage_state_shapes
 
 pytestmark = pytest.mark.integration
 
@@ -75,8 +74,7 @@ def test_a_peer_moves_to_a_weakened_stage_and_takes_over_its_trained_state(start
 
         async def fetch(peer_id: str) -> dict[str, torch.Tensor]:
             p2p = await dht.replicate_p2p()
-            template = StageServer(manifest, 0, build_stage(manifest, 0), torch.device("cpu"), "x", Throughput(1, 1))
-            items, _ = await download_state(p2p, peer_id, manifest, 0, template.state_shapes(), timeout=30)
+            items, _ = await download_state(p2p, peer_id, manifest, 0, stage_state_shapes(manifest, 0), timeout=30)
             return dict(items)
 
         moved = asyncio.run(fetch(mover.peer_id()))

@@ -15,7 +15,8 @@ from hivemind.proto import runtime_pb2
 from swarm import protocol
 from swarm.errors import ManifestError, RemoteStageError, SwarmError
 from swarm.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from swarm.server.stage import NAMESPACE, STATE_COUNTERS, StageServer
+from swarm.server.stage import NAMESPACE, StageServer
+from swarm.server.state import STATE_COUNTERS
 from swarm.throughput import PROBE_BYTES, measure_bandwidth
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ async def download_state(
     p2p: P2P, peer_id: str, manifest: Manifest, stage: int, shapes: dict[str, tuple[int, ...]], timeout: float
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
     """Fetch the state of `stage` from `peer_id`: named tensors (not yet checked against the model, see
-    StageServer.load_state; `shapes` are the names it may hold, from StageServer.state_shapes) and its counters
+    StageServer.load_state; `shapes` are the names it may hold, from swarm.server.state) and its counters
     (optimizer_steps, averaging_round). Raises RemoteStageError on a refusal or a malformed reply."""
     max_bytes = sum(4 * math.prod(shape) for shape in shapes.values()) + 64 * len(shapes) + 65536
     stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)

@@ -40,7 +40,6 @@ from swarm.averaging import (
     RoundProgress,
     StageAverager,
     current_round,
-    outer_state_shapes,
     round_payload_bytes,
     swarm_samples_in_round,
 )
@@ -50,7 +49,14 @@ from swarm.errors import BadRequestError
 from swarm.manifest import Manifest
 from swarm.model import StageModel
 from swarm.records import MAX_THROUGHPUT, Announcement, SwarmView, announcement_lifetime, store_announcement
-from swarm.server.state import expected_shapes, load_state_tensors, state_tensors
+from swarm.server.state import (
+    load_state_tensors,
+    make_optimizer,
+    outer_state_shapes,
+    state_shapes,
+    state_tensors,
+    trainable_parameters,
+)
 from swarm.throughput import (
     FORWARD_SHARE,
     PROBE_BYTES,
@@ -74,7 +80,6 @@ MAX_CONTROL_CALLS = 4  # state downloads served at once; each holds up to a stag
 ACTIVATION_CACHE_BYTES = 1 << 30
 
 
-STATE_COUNTERS = ("optimizer_steps", "averaging_round")  # travel with a stage's state
 STATE_SOURCES = 3  # peers tried, one after another, for a stage's state
 MAX_ANNOUNCEMENTS_IN_FLIGHT = 3
 CATCH_UP_BY_DOWNLOAD = 2  # rounds behind the stage from which a peer takes the stage's state (parameters mode)
@@ -165,10 +170,10 @@ class StageServer(ServicerBase):
         self._went_online = False  # a server that never served has nothing worth a checkpoint
         self.first = stage == 0
         self.last = stage == manifest.num_stages - 1
-        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        named = trainable_parameters(self.model)
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
-        self.optimizer = _make_optimizer(manifest, self.params)
+        self.optimizer = make_optimizer(manifest, self.params)
         self.max_elements = protocol.max_request_elements(manifest)
         self.max_message_bytes = protocol.max_message_bytes(manifest)
 
@@ -505,9 +510,10 @@ class StageServer(ServicerBase):
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every name a state of this stage may hold, with its shape."""
-        shapes = expected_shapes(self.param_names, self.params, self.optimizer)
-        shapes.update(outer_state_shapes(self.manifest.averaging, self.param_names, self.params))
-        return shapes
+        return state_shapes(self.manifest, self._parameter_shapes())
+
+    def _parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(p.shape) for name, p in zip(self.param_names, self.params)}
 
     async def rpc_manifest(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """The swarm's manifest as JSON, for a peer that joins by this peer's multiaddr (it cannot know the swarm
@@ -526,7 +532,7 @@ class StageServer(ServicerBase):
         """Take over a stage's state downloaded from another peer or read from a checkpoint (before this server
         serves anything). Raises BadRequestError, leaving everything untouched, if the state does not fit."""
         outer = {name: tensor for name, tensor in items if name.startswith("outer/")}
-        shapes = outer_state_shapes(self.manifest.averaging, self.param_names, self.params)
+        shapes = outer_state_shapes(self.manifest, self._parameter_shapes())
         for name, tensor in outer.items():
             if name not in shapes:
                 raise BadRequestError(f"the state holds {name[:200]!r}, which this stage does not have")
@@ -947,13 +953,6 @@ async def _prepend(first: runtime_pb2.ExpertRequest, rest: AsyncIterator) -> Asy
 def announced_rate(value: float) -> float:
     """A throughput as records carry it (a fast loopback link measures above what records may carry)."""
     return round(min(value, MAX_THROUGHPUT), 3)
-
-
-def _make_optimizer(manifest: Manifest, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    training = manifest.training
-    if training.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=training.learning_rate, weight_decay=training.weight_decay)
-    return torch.optim.AdamW(params, lr=training.learning_rate, weight_decay=training.weight_decay)
 
 
 def _activation_bytes_estimate(manifest: Manifest, stage: int) -> int:

@@ -1,9 +1,9 @@
-"""A stage's training state as named tensors: what a peer sends to another that starts serving the stage.
+"""A stage's training state as named tensors: what a peer sends to another that starts serving the stage, what a
+checkpoint holds, and what an export reads.
 
-The state is the stage's parameters and its optimizer's per-parameter statistics, named
-`param/<parameter name>` and `optim/<parameter name>/<statistic>`. Whatever arrives from another peer is
-checked against the stage's own model before it is used: the same names, shapes and dtypes, finite values,
-only the statistics this optimizer keeps. Then it is loaded in one go, or not at all.
+This module is the one place that knows the state's layout (docs/ARCHITECTURE.md, "A stage's state"):
+`param/<name>`, `optim/<name>/<statistic>` and, in DiLoCo mode, `outer/<name>/anchor` and `outer/<name>/momentum`,
+plus the counters in STATE_COUNTERS. `stage_state_shapes` gives the layout from the manifest alone.
 """
 
 from __future__ import annotations
@@ -13,13 +13,56 @@ import math
 import torch
 
 from swarm.errors import BadRequestError
+from swarm.manifest import Manifest
+from swarm.model import build_stage
 
+STATE_COUNTERS = ("optimizer_steps", "averaging_round")  # travel with a stage's state
 # statistics each optimizer keeps per parameter; "step" is a scalar, the others have the parameter's shape
 OPTIMIZER_STATISTICS = {
     torch.optim.AdamW: ("step", "exp_avg", "exp_avg_sq"),
     torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq"),
     torch.optim.SGD: ("momentum_buffer",),
 }
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}  # the manifest's names
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters a stage trains, averages and sends, by name, in a fixed order."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def make_optimizer(manifest: Manifest, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    training = manifest.training
+    return OPTIMIZERS[training.optimizer](params, lr=training.learning_rate, weight_decay=training.weight_decay)
+
+
+def state_shapes(manifest: Manifest, parameter_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Every name a valid state of a stage with these parameters may hold, with its shape."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    statistics = OPTIMIZER_STATISTICS[OPTIMIZERS[manifest.training.optimizer]]
+    for name, shape in parameter_shapes.items():
+        shapes[f"param/{name}"] = shape
+        for key in statistics:
+            shapes[f"optim/{name}/{key}"] = () if key == "step" else shape
+    shapes.update(outer_state_shapes(manifest, parameter_shapes))
+    return shapes
+
+
+def outer_state_shapes(manifest: Manifest, parameter_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of DiLoCo's outer state (an anchor and a momentum per parameter); none in other modes."""
+    if manifest.averaging.mode != "diloco":
+        return {}
+    shapes = {f"outer/{n}/anchor": shape for n, shape in parameter_shapes.items()}
+    shapes.update({f"outer/{n}/momentum": shape for n, shape in parameter_shapes.items()})
+    return shapes
+
+
+def stage_state_shapes(manifest: Manifest, stage: int) -> dict[str, tuple[int, ...]]:
+    """The layout of `stage`'s state from the manifest alone: the model is built on the meta device (no memory,
+    no initialisation)."""
+    with torch.device("meta"):
+        model = build_stage(manifest, stage)
+    return state_shapes(manifest, {name: tuple(p.shape) for name, p in trainable_parameters(model)})
 
 
 def state_tensors(
@@ -34,8 +77,8 @@ def state_tensors(
     return items
 
 
-def expected_shapes(names: list[str], params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict:
-    """Every name a valid state may hold, with its shape."""
+def _inner_shapes(names: list[str], params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict:
+    """Names and shapes of the parameters and optimizer statistics (the state without DiLoCo's outer part)."""
     shapes: dict[str, tuple[int, ...]] = {}
     statistics = OPTIMIZER_STATISTICS.get(type(optimizer), ())
     for name, p in zip(names, params):
@@ -54,7 +97,7 @@ def load_state_tensors(
     """Check a received state against this stage and load it (parameters and optimizer statistics).
 
     Raises BadRequestError, leaving the model and optimizer untouched, if anything does not fit."""
-    allowed = expected_shapes(names, params, optimizer)
+    allowed = _inner_shapes(names, params, optimizer)
     received: dict[str, torch.Tensor] = {}
     for key, tensor in items:
         if key not in allowed:
