@@ -82,7 +82,7 @@ from swarm.data import TextData, heldout_batches  # noqa: E402
 from swarm.export import assemble_full_state, stage_parameters  # noqa: E402
 from swarm.manifest import Manifest, manifest_from_dict  # noqa: E402
 from swarm.model import build_full_model  # noqa: E402
-from swarm.records import Announcement, announcement_lifetime, fetch_announcements  # noqa: E402
+from swarm.records import Announcement, PeerState, announcement_lifetime, fetch_announcements  # noqa: E402
 from swarm.server.state import stage_state_shapes  # noqa: E402
 
 CHECKPOINT_EVERY = 10.0  # seconds between a peer's checkpoints
@@ -386,8 +386,8 @@ class Swarm:
                     self.failed_reads += 1
                     continue
                 now = time.monotonic()
-                self.history += [(now, a) for a in anns if a.state == "online" and a.peer_id in ours]
-                online = {a.peer_id for a in anns if a.state == "online"}
+                self.history += [(now, a) for a in anns if a.state == PeerState.ONLINE and a.peer_id in ours]
+                online = {a.peer_id for a in anns if a.state == PeerState.ONLINE}
                 for peer in self.peers:
                     if peer.stage == stage and not peer.down and now - peer.up_since > settled:
                         if peer.peer_id not in online:
@@ -546,7 +546,7 @@ def heldout_loss(manifest: Manifest, state: dict[str, torch.Tensor], batches) ->
 
 async def online_by_stage(dht, manifest: Manifest) -> list[list[Announcement]]:
     return [
-        [a for a in await fetch_announcements(dht, manifest.swarm_id, s) if a.state == "online"]
+        [a for a in await fetch_announcements(dht, manifest.swarm_id, s) if a.state == PeerState.ONLINE]
         for s in range(manifest.num_stages)
     ]
 

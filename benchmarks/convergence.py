@@ -48,7 +48,7 @@ from swarm.data import TextData, heldout_batches, sample_batch  # noqa: E402
 from swarm.export import assemble_full_state, stage_parameters  # noqa: E402
 from swarm.manifest import Manifest, load_manifest  # noqa: E402
 from swarm.model import build_full_model, build_stage, count_parameters  # noqa: E402
-from swarm.records import fetch_announcements  # noqa: E402
+from swarm.records import PeerState, fetch_announcements  # noqa: E402
 from swarm.server.state import stage_state_shapes  # noqa: E402
 
 REPLICAS = 2
@@ -118,7 +118,7 @@ def swarm_run(manifest: Manifest, mode: str, samples: int, batches, workdir: Pat
 
 async def _online(dht, manifest: Manifest) -> list[list]:
     return [
-        [a for a in await fetch_announcements(dht, manifest.swarm_id, s) if a.state == "online"]
+        [a for a in await fetch_announcements(dht, manifest.swarm_id, s) if a.state == PeerState.ONLINE]
         for s in range(manifest.num_stages)
     ]
 

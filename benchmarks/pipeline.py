@@ -32,7 +32,7 @@ from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.data import TextData, sample_batch  # noqa: E402
 from swarm.manifest import Manifest, load_manifest  # noqa: E402
 from swarm.model import build_full_model  # noqa: E402
-from swarm.records import fetch_announcements  # noqa: E402
+from swarm.records import PeerState, fetch_announcements  # noqa: E402
 
 
 def peak_memory_mb(pid: int) -> float:
@@ -89,7 +89,7 @@ def swarm(manifest_path: Path, samples: int) -> dict:
             p2p = await dht.replicate_p2p()
             while True:
                 online = [
-                    any(a.state == "online" for a in await fetch_announcements(dht, manifest.swarm_id, s))
+                    any(a.state == PeerState.ONLINE for a in await fetch_announcements(dht, manifest.swarm_id, s))
                     for s in range(manifest.num_stages)
                 ]
                 if all(online):

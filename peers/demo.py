@@ -28,7 +28,7 @@ from swarm.data import TextData, heldout_batches
 from swarm.errors import SwarmError
 from swarm.manifest import Manifest, load_manifest
 from swarm.model import build_full_model
-from swarm.records import fetch_announcements, fetch_trainer_reports
+from swarm.records import PeerState, fetch_announcements, fetch_trainer_reports
 from swarm.server.reachability import NAMESPACE as REACHABILITY_NAMESPACE
 from swarm.server.reachability import ReachabilityService
 
@@ -232,7 +232,7 @@ async def wait_until_served(dht: DHT, manifest: Manifest, peers: list, logs: Pat
     while not stop.is_set():
         check_peers_alive(peers, logs)
         online = [
-            sum(a.state == "online" for a in await fetch_announcements(dht, manifest.swarm_id, s))
+            sum(a.state == PeerState.ONLINE for a in await fetch_announcements(dht, manifest.swarm_id, s))
             for s in range(manifest.num_stages)
         ]
         if sum(online) >= len(peers):

@@ -30,7 +30,7 @@ from swarm.client.rpc import download_state
 from swarm.errors import SwarmError
 from swarm.manifest import Manifest
 from swarm.model import build_full_model, build_stage
-from swarm.records import Announcement, fetch_announcements
+from swarm.records import Announcement, PeerState, fetch_announcements
 from swarm.routing import online_peers
 from swarm.server.state import stage_state_shapes
 
@@ -220,7 +220,7 @@ def remaining(deadline: float) -> float:
 
 def _describe_stage(announcements: Sequence[Announcement]) -> str:
     """E.g. "only 1 offline peer", "only 2 joining and 1 offline peers", "no peer at all"."""
-    states = [a.state for a in announcements if a.state != "online"]
+    states = [a.state for a in announcements if a.state != PeerState.ONLINE]
     counts = [f"{states.count(s)} {s}" for s in ("joining", "offline") if states.count(s)]
     if not counts:
         return "no peer at all"

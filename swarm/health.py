@@ -13,7 +13,7 @@ from typing import Any
 from swarm.balancing import PeerLoad, efficiency, stage_totals
 from swarm.manifest import Manifest
 from swarm.model import count_stage_parameters
-from swarm.records import Announcement, TrainerReport, announcement_lifetime
+from swarm.records import Announcement, PeerState, TrainerReport, announcement_lifetime
 
 STALE_PERIODS = 2.0  # a peer whose last announcement is older than this many announce periods is "stale"
 SHORT_ID_LENGTH = 8
@@ -29,18 +29,18 @@ def short_id(peer_id: str) -> str:
 def peer_status(ann: Announcement, now: float, announce_period: float) -> tuple[str, float]:
     """(status, seconds since its last announcement). Status: joining, online, stale or offline."""
     last_seen = max(0.0, now - (ann.expiration - announcement_lifetime(announce_period)))
-    if ann.state == "offline":
+    if ann.state == PeerState.OFFLINE:
         return "offline", last_seen
     if last_seen > STALE_PERIODS * announce_period:
         return "stale", last_seen
-    return ann.state, last_seen
+    return str(ann.state), last_seen
 
 
 def peer_document(ann: Announcement, now: float, announce_period: float) -> dict[str, Any]:
     status, last_seen = peer_status(ann, now, announce_period)
     document = asdict(ann)
     document.pop("expiration")
-    document.update(short_id=short_id(ann.peer_id), status=status, last_seen=round(last_seen, 1))
+    document.update(state=str(ann.state), short_id=short_id(ann.peer_id), status=status, last_seen=round(last_seen, 1))
     return document
 
 

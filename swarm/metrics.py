@@ -32,13 +32,13 @@ from prometheus_client.registry import Collector
 from swarm import PROTOCOL_VERSION, __version__
 from swarm.client.trainer import Trainer
 from swarm.errors import PeerStartError
+from swarm.records import PeerState
 from swarm.server.rebalancer import Rebalancer
 from swarm.throughput import device_name
 
 logger = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT = 5.0  # seconds a scrape waits for the event loop before it answers with the static metrics only
-STATES = ("joining", "online", "offline")
 
 
 class _Families:
@@ -139,8 +139,8 @@ class PeerCollector(Collector):
     def _live(self) -> list[Metric]:
         f = _Families(self.identity)
         rebalancer, server = self.rebalancer, self.rebalancer.server
-        state = "joining" if server is None else server.state  # no server yet: choosing, measuring, downloading
-        for name in STATES:
+        state = PeerState.JOINING if server is None else server.state  # no server yet: choosing, measuring, downloading
+        for name in PeerState:
             f.gauge(
                 "swarm_peer_state",
                 "1 for the peer's current state: joining (choosing its stage, measuring, taking over the stage's "

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import re
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any
 
 from hivemind import DHT
@@ -20,7 +21,15 @@ from swarm import PROTOCOL_VERSION, __version__
 
 logger = logging.getLogger(__name__)
 
-STATES = ("joining", "online", "offline")
+
+class PeerState(StrEnum):
+    """Where a peer stands with its stage, as announced."""
+
+    JOINING = "joining"  # chose the stage, is taking over its state; counted by balancing, not yet routed to
+    ONLINE = "online"  # serves the stage
+    OFFLINE = "offline"  # stopped serving it (left, or moved away)
+
+
 MAX_TEXT = 256
 MAX_ADDRESSES = 8
 PEER_ID_PATTERN = re.compile(r"[1-9A-HJ-NP-Za-km-z]{8,128}")  # base58
@@ -63,7 +72,7 @@ class Announcement:
 
     peer_id: str
     stage: int
-    state: str
+    state: PeerState
     throughput: float  # samples per second it can serve: the lower of its compute and network limits
     compute_throughput: float = 0.0  # samples per second of forward+backward on its device
     network_throughput: float = 0.0  # samples per second its links allow for this stage
@@ -91,6 +100,7 @@ class Announcement:
     def to_record(self) -> dict[str, Any]:
         record = asdict(self)
         record.pop("expiration")
+        record["state"] = str(self.state)  # a plain string on the wire
         return record
 
 
@@ -120,7 +130,7 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
         ann = Announcement(
             peer_id=_peer_id(record["peer_id"]),
             stage=_count(record["stage"]),
-            state=_text(record["state"]),
+            state=PeerState(_text(record["state"])),
             throughput=_rate(record["throughput"]),
             compute_throughput=_rate(record["compute_throughput"]),
             network_throughput=_rate(record["network_throughput"]),
@@ -146,7 +156,7 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
         )
     except (KeyError, ValueError):
         return None
-    if ann.peer_id != subkey or ann.stage != stage or ann.state not in STATES:
+    if ann.peer_id != subkey or ann.stage != stage:
         return None
     return ann
 

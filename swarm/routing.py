@@ -14,7 +14,7 @@ import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from swarm.records import Announcement
+from swarm.records import Announcement, PeerState
 
 EMA_WEIGHT = 0.2  # weight of the newest observation in the seconds-per-sample EMA
 BASE_BAN = 5.0
@@ -24,7 +24,7 @@ MIN_THROUGHPUT = 1e-3  # a peer announcing 0 samples/s is still routable, as a v
 
 def online_peers(announcements: Sequence[Announcement], now: float) -> list[Announcement]:
     """Peers announced online whose records have not expired."""
-    return [a for a in announcements if a.state == "online" and a.expiration > now]
+    return [a for a in announcements if a.state == PeerState.ONLINE and a.expiration > now]
 
 
 @dataclass

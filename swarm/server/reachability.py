@@ -27,7 +27,7 @@ from multiaddr import Multiaddr
 from swarm.joining import daemon_sockets, remove_stale_sockets
 from swarm.manifest import Manifest
 from swarm.protocol import MSGPackSerializer, unpack
-from swarm.records import SwarmView, fetch_trainer_reports
+from swarm.records import PeerState, SwarmView, fetch_trainer_reports
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class ReverseConnector:
         wanted: dict[str, tuple[str, ...]] = {}
         for announcements in await self.view.all_stages():
             for ann in announcements:
-                if ann.state != "offline" and ann.maddrs:
+                if ann.state != PeerState.OFFLINE and ann.maddrs:
                     wanted[ann.peer_id] = ann.maddrs
         for report in await fetch_trainer_reports(self.view.dht, self.view.swarm_id):
             if report.maddrs:

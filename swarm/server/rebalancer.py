@@ -35,7 +35,7 @@ from swarm.client.rpc import download_state, probe_bandwidth
 from swarm.errors import PeerStartError, SwarmError
 from swarm.manifest import Manifest
 from swarm.model import build_stage
-from swarm.records import Announcement, SwarmView, announcement_lifetime
+from swarm.records import Announcement, PeerState, SwarmView, announcement_lifetime
 from swarm.routing import online_peers
 from swarm.server.stage import STATE_SOURCES, StageServer, Traffic, announced_rate
 from swarm.throughput import (
@@ -79,10 +79,10 @@ def _progress(counters: dict[str, int]) -> tuple[int, int]:
 def peer_loads(stages: Sequence[Sequence[Announcement]], now: float) -> list[PeerLoad]:
     """What balancing needs of each announced peer: joining and online peers whose records have not expired."""
     return [
-        PeerLoad(ann.peer_id, ann.stage, ann.throughput, online=ann.state == "online", movable=not ann.pinned)
+        PeerLoad(ann.peer_id, ann.stage, ann.throughput, online=ann.state == PeerState.ONLINE, movable=not ann.pinned)
         for anns in stages
         for ann in anns
-        if ann.state in ("joining", "online") and ann.expiration > now
+        if ann.state in (PeerState.JOINING, PeerState.ONLINE) and ann.expiration > now
     ]
 
 
@@ -193,7 +193,7 @@ class Rebalancer:
             return both, both
         if self._bandwidth_measured and self._bandwidth is not None:
             return self._bandwidth
-        others = [a for anns in await self.view.all_stages() for a in anns if a.state == "online"]
+        others = [a for anns in await self.view.all_stages() for a in anns if a.state == PeerState.ONLINE]
         others = [a for a in others if a.peer_id != self.peer_id]
         for ann in self.rng.sample(others, k=min(len(others), 2)):
             try:
@@ -365,7 +365,7 @@ class Rebalancer:
     async def _loads(self, force: bool = True) -> list[PeerLoad]:
         """Balancing's picture of the swarm: fresh from the DHT if `force`, else at most an announce period old."""
         loads = peer_loads(await self.view.all_stages(force=force), get_dht_time())
-        if self.server is not None and self.server.state == "online":
+        if self.server is not None and self.server.state == PeerState.ONLINE:
             # this peer's own record in the DHT may be a few seconds old: use the truth
             loads = [load for load in loads if load.peer_id != self.peer_id]
             throughput = announced_rate(self.server.throughput.serving)  # exactly what others read

@@ -48,7 +48,7 @@ from swarm.checkpoint import save_checkpoint
 from swarm.errors import BadRequestError
 from swarm.manifest import Manifest
 from swarm.model import StageModel
-from swarm.records import MAX_THROUGHPUT, Announcement, SwarmView, announcement_lifetime, store_announcement
+from swarm.records import MAX_THROUGHPUT, Announcement, PeerState, SwarmView, announcement_lifetime, store_announcement
 from swarm.server.state import (
     load_state_tensors,
     make_optimizer,
@@ -199,7 +199,7 @@ class StageServer(ServicerBase):
         self.seconds_per_request = 0.0  # EMA of the worker's time per request (0 until the first one)
         self._control_calls = 0
         self._handlers_added = False  # handlers are named by class, not object: never remove another server's
-        self.state = "joining"
+        self.state = PeerState.JOINING
         self._dht: DHT | None = None
         self._p2p: P2P | None = None
         self._announce_task: asyncio.Task | None = None
@@ -221,7 +221,7 @@ class StageServer(ServicerBase):
         self._create_averager()
         await self.add_p2p_handlers(p2p, namespace=NAMESPACE)
         self._handlers_added = True
-        self.state = "online"
+        self.state = PeerState.ONLINE
         self._went_online = True
         await self.announce()
         if self._announce_task is None:
@@ -244,7 +244,7 @@ class StageServer(ServicerBase):
 
     async def drain(self, timeout: float) -> None:
         """Stop taking new requests (they get 'busy' replies) and wait, up to `timeout`, for those in flight."""
-        self.state = "offline"
+        self.state = PeerState.OFFLINE
         try:
             await asyncio.wait_for(self.announce(), timeout=timeout)
         except Exception as e:
@@ -257,7 +257,7 @@ class StageServer(ServicerBase):
         """Announce offline, stop taking requests, finish the work in flight.
 
         Every step has a timeout: on Ctrl-C the DHT process and the p2p daemon may already be gone."""
-        self.state = "offline"
+        self.state = PeerState.OFFLINE
         for task in (self._announce_task, self._average_task, self._checkpoint_task):
             if task is not None:
                 task.cancel()
@@ -483,7 +483,7 @@ class StageServer(ServicerBase):
         except BadRequestError as e:
             yield self._bad_request(caller, str(e))
             return
-        if self.state != "online" or self._control_calls >= MAX_CONTROL_CALLS:
+        if self.state != PeerState.ONLINE or self._control_calls >= MAX_CONTROL_CALLS:
             self.busy_replies += 1
             yield protocol.make_error_reply(f"this peer is {self.state} or busy; try another peer", "busy")
             return
@@ -561,7 +561,7 @@ class StageServer(ServicerBase):
         if (refusal := self._ban_refusal(caller)) is not None:
             return refusal
         reason = None
-        if self.state != "online":
+        if self.state != PeerState.ONLINE:
             reason = f"this peer is {self.state}; try another peer"
         elif self._pending >= MAX_PENDING_REQUESTS:
             reason = "too many requests in flight; try another peer"
@@ -676,7 +676,7 @@ class StageServer(ServicerBase):
                 a.averaging_round, a.round_samples, a.delivered_throughput, now - (a.expiration - lifetime), a.peer_id
             )
             for a in await self._view.stage(self.stage, force=fresh)
-            if a.state == "online" and a.peer_id != self.peer_id and a.expiration > now
+            if a.state == PeerState.ONLINE and a.peer_id != self.peer_id and a.expiration > now
         ]
 
     async def _catch_up(self, stage_round: int, ahead: list[str]) -> None:

@@ -1,0 +1,58 @@
+"""Events a peer reports to its program: it moved, it took a stage's state, an averaging round's outcome.
+
+They are structured so that programs print them (`swarm-peer --json` prints each as one JSON line the moment it
+happens) and benchmarks and tests read their fields, never the wording of log messages. The library only calls
+the `on_event` callback it was given; what is done with an event is the program's business.
+
+Fields, by kind (every event also has `event`, its kind, and `at`, the Unix time it happened):
+- moved: `from_stage`, `to_stage`
+- state_taken: `stage`, `source` (peer, checkpoint or fresh), `peer_id` (the source peer, or ""), `optimizer_steps`,
+  `averaging_round`, `seconds` (time the download took), `reason` (join, move or catch_up)
+- averaging_round: `stage`, `round`, `outcome` (applied, skipped, dropped, alone or caught_up), `group_size`,
+  `change` (relative change of the parameters, 0 unless applied)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class EventKind(StrEnum):
+    MOVED = "moved"
+    STATE_TAKEN = "state_taken"
+    AVERAGING_ROUND = "averaging_round"
+
+
+class StateSource(StrEnum):
+    PEER = "peer"  # downloaded from an online peer of the stage
+    CHECKPOINT = "checkpoint"  # this peer's own checkpoint of the stage
+    FRESH = "fresh"  # nobody had it: the seed initialisation
+
+
+class RoundOutcome(StrEnum):
+    APPLIED = "applied"  # averaged with others, and the result applied
+    SKIPPED = "skipped"  # no group formed, a peer left, a timeout: nothing changed
+    DROPPED = "dropped"  # averaged, but the result failed its checks and was not applied
+    ALONE = "alone"  # no other peer of the stage: DiLoCo applied its own outer step, the others nothing
+    CAUGHT_UP = "caught_up"  # others averaged without this peer; it counts on from their round
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: EventKind
+    fields: dict[str, Any]
+    at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": str(self.kind), "at": round(self.at, 3), **self.fields}
+
+
+OnEvent = Callable[[Event], None]
+
+
+def ignore(event: Event) -> None:
+    """The default sink: a library user that does not care about events."""
