@@ -20,7 +20,8 @@ from swarm.client.trainer import Trainer
 from swarm.data import TextData
 from swarm.errors import PeerStartError, SwarmError
 from swarm.identity import claim_identity, identity_taken, without_own_address
-from swarm.manifest import Manifest, write_manifest
+from swarm.manifest import Manifest
+from swarm.manifest_loading import write_manifest
 from swarm.metrics import start_metrics_server
 from swarm.model import count_parameters
 from swarm.records import MAX_THROUGHPUT, announceable

@@ -1,9 +1,11 @@
-"""The manifest: a JSON document that defines a swarm.
+"""The manifest: a JSON document that defines a swarm, its data model and its validation.
 
 A manifest holds the model config, the stages (layer range of each), the training settings, the data
-source and the initial peers. It is validated on load: every problem is reported as a ManifestError that
+source and the initial peers. It is validated when parsed: every problem is reported as a ManifestError that
 names the field. The swarm id is a hash of the canonical manifest *without* its initial peers, so the same
 swarm can be published with different bootstrap addresses, while any change of settings makes a new swarm.
+
+Getting a manifest from a file or a URL, and writing one, is swarm/manifest_loading.py's.
 """
 
 from __future__ import annotations
@@ -13,27 +15,19 @@ import functools
 import hashlib
 import json
 import math
-import os
-import re
 import reprlib
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from multiaddr import Multiaddr
 
-from swarm import PROTOCOL_VERSION, __version__
+from swarm import PROTOCOL_VERSION
 from swarm.errors import ManifestError
-from swarm.secret import SwarmSecret, read_secret
+from swarm.secret import SwarmSecret
 
 OPTIMIZERS = ("adamw", "sgd")
 COMPRESSIONS = ("float32", "float16", "8bit")  # of activations and gradients between stages, and of averaging
 AVERAGING_MODES = ("parameters", "diloco", "none")
-MAX_MANIFEST_BYTES = 1_000_000
-URL_TIMEOUT = 15.0  # seconds to fetch a manifest by URL, in all
 
 
 @dataclass(frozen=True)
@@ -176,21 +170,6 @@ class Manifest:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
 
-def write_manifest(manifest: Manifest, path: Path) -> None:
-    """Write a manifest atomically (a reader never sees half a file); ManifestError if that is impossible."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(manifest.to_json(), encoding="utf-8")
-        os.replace(temporary, path)
-    except OSError as e:
-        temporary.unlink(missing_ok=True)
-        raise ManifestError(f"cannot write the manifest to {path}: {e.strerror or e}") from None
-
-
-# ---------------------------------------------------------------------------------------------- loading
-
-
 def _shown(value: Any) -> str:
     """A value as error messages show it: short, whatever it is (an int of 5,000 digits or a list nested 5,000
     deep cannot even be repr()ed)."""
@@ -207,117 +186,8 @@ def _finite(value: float) -> bool:
         return False
 
 
-def load_manifest(source: str | Path, timeout: float = URL_TIMEOUT) -> Manifest:
-    """Read and validate a manifest from a file or an http(s) URL.
-
-    A URL may carry the swarm id as its fragment (`https://example.org/swarm.json#<swarm id>`): the manifest's
-    content must then hash to it, so that a tampered or outdated copy is refused. Every failure is a
-    ManifestError that says what went wrong, within `timeout` seconds for a URL."""
-    text = str(source)
-    if text.startswith(("http://", "https://")):
-        url, expected_id = _split_swarm_id(text)
-        body = _fetch(url, timeout)
-        try:
-            manifest = parse_manifest(body, origin="the document")
-        except ManifestError as e:
-            raise ManifestError(f"{url} does not hold a valid swarm manifest: {e}") from None
-        if expected_id is not None and manifest.swarm_id != expected_id:
-            raise ManifestError(
-                f"the manifest at {url} has swarm id {manifest.swarm_id}, but the URL says {expected_id}: it was "
-                "changed since the URL was published (or the URL is wrong); ask the swarm's creator for the "
-                "current URL"
-            )
-        return with_secret(manifest, Path.cwd(), from_url=True)
-    path = Path(source)
-    return with_secret(_load_manifest_file(path), path.parent)
-
-
-def with_secret(manifest: Manifest, base: Path, from_url: bool = False) -> Manifest:
-    """The manifest with its secret loaded, if it names a secret file (a relative path is relative to `base`:
-    the manifest file's folder, or the current folder for a manifest from a URL). A manifest from a URL may
-    name only a file in the current folder or below it: it must not make any file of this machine (a key,
-    say) the swarm's secret."""
-    if not manifest.private:
-        return manifest
-    named = Path(manifest.network.secret_file)
-    if from_url and (named.is_absolute() or ".." in named.parts or str(named).startswith("~")):
-        raise ManifestError(
-            f"network.secret_file {str(named)[:200]!r}: a manifest from a URL may name only a file in the current "
-            "folder (or below it); download the manifest and keep it next to the secret file instead"
-        )
-    path = base / named.expanduser()
-    return dataclasses.replace(manifest, secret=read_secret(path))
-
-
-def _split_swarm_id(url: str) -> tuple[str, str | None]:
-    """(url without fragment, the swarm id its fragment names, if any)."""
-    base, _, fragment = url.partition("#")
-    if not fragment:
-        return base, None
-    swarm_id = fragment.removeprefix("swarm_id=")
-    if not re.fullmatch(r"[0-9a-f]{16}", swarm_id):
-        raise ManifestError(
-            f"the URL's fragment #{fragment[:40]} is not a swarm id (16 hex digits, e.g. #0123456789abcdef); "
-            "drop it or copy the URL again"
-        )
-    return base, swarm_id
-
-
-def _fetch(url: str, timeout: float) -> str:
-    """The body of an HTTP GET, at most MAX_MANIFEST_BYTES, within `timeout` seconds in all."""
-    request = urllib.request.Request(url, headers={"User-Agent": f"swarm/{__version__}", "Accept": "application/json"})
-    deadline = time.monotonic() + timeout
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = b""
-            while len(body) <= MAX_MANIFEST_BYTES:
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                chunk = response.read(65536)
-                if not chunk:
-                    break
-                body += chunk
-    except urllib.error.HTTPError as e:
-        raise ManifestError(
-            f"could not get the manifest: the server at {url} answered HTTP {e.code} ({e.reason}); check the URL"
-        ) from None
-    except TimeoutError:
-        raise ManifestError(
-            f"could not get the manifest: {url} did not answer within {timeout:g} seconds; check the URL and "
-            "that the server is up"
-        ) from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        if isinstance(reason, TimeoutError):
-            raise ManifestError(
-                f"could not get the manifest: {url} did not answer within {timeout:g} seconds; check the URL and "
-                "that the server is up"
-            ) from None
-        raise ManifestError(f"could not get the manifest from {url}: {reason}; check the URL") from None
-    if len(body) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{url} sent more than {MAX_MANIFEST_BYTES} bytes; that is not a manifest")
-    try:
-        return body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ManifestError(f"{url} did not send text (not UTF-8); that is not a manifest") from None
-
-
-def _load_manifest_file(path: Path) -> Manifest:
-    """Read and validate a manifest file."""
-    try:
-        if path.stat().st_size > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES} bytes; is it really a manifest?")
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ManifestError(f"manifest file {path} does not exist; pass the path or URL of a swarm manifest") from None
-    except IsADirectoryError:
-        raise ManifestError(f"{path} is a folder; pass the path or URL of a swarm manifest") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ManifestError(f"cannot read manifest {path}: {e}") from None
-    return parse_manifest(text, origin=str(path))
-
-
 def parse_manifest(text: str, origin: str = "manifest") -> Manifest:
+    """Validate a manifest given as JSON text; `origin` names it in the error if the text is not JSON."""
     try:
         raw = json.loads(text)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, integers of thousands of digits, deep nesting
