@@ -9,7 +9,6 @@ swarm/manifest.py's.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import time
 import urllib.error
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from swarm import __version__
 from swarm.errors import ManifestError
+from swarm.files import atomic_write
 from swarm.manifest import Manifest, parse_manifest
 from swarm.secret import read_secret
 
@@ -137,11 +137,7 @@ def _load_manifest_file(path: Path) -> Manifest:
 
 def write_manifest(manifest: Manifest, path: Path) -> None:
     """Write a manifest atomically (a reader never sees half a file); ManifestError if that is impossible."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        temporary.write_text(manifest.to_json(), encoding="utf-8")
-        os.replace(temporary, path)
+        atomic_write(path, manifest.to_json())
     except OSError as e:
-        temporary.unlink(missing_ok=True)
         raise ManifestError(f"cannot write the manifest to {path}: {e.strerror or e}") from None
