@@ -46,7 +46,8 @@ from swarm.client.rpc import download_state  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.data import TextData, heldout_batches, sample_batch  # noqa: E402
 from swarm.export import assemble_full_state, stage_parameters  # noqa: E402
-from swarm.manifest import Manifest, load_manifest  # noqa: E402
+from swarm.manifest import Manifest  # noqa: E402
+from swarm.manifest_loading import load_manifest  # noqa: E402
 from swarm.model import build_full_model, build_stage, count_parameters  # noqa: E402
 from swarm.records import PeerState, fetch_announcements  # noqa: E402
 from swarm.server.state import stage_state_shapes  # noqa: E402

@@ -21,7 +21,8 @@ from swarm.data import TextData
 from swarm.errors import PeerStartError, SwarmError
 from swarm.events import Event, EventKind
 from swarm.identity import claim_identity, identity_taken, without_own_address
-from swarm.manifest import Manifest, write_manifest
+from swarm.manifest import Manifest
+from swarm.manifest_loading import write_manifest
 from swarm.metrics import start_metrics_server
 from swarm.records import MAX_THROUGHPUT, announceable
 from swarm.server import reachability

@@ -15,7 +15,8 @@ import pytest
 from conftest import ROOT, tiny_manifest_dict
 from swarm import PROTOCOL_VERSION
 from swarm.errors import ManifestError
-from swarm.manifest import load_manifest, manifest_from_dict
+from swarm.manifest import manifest_from_dict
+from swarm.manifest_loading import load_manifest
 
 GOOD = tiny_manifest_dict()
 OLD_VERSION = {**tiny_manifest_dict(), "protocol_version": 1}

@@ -14,7 +14,8 @@ from hivemind.proto import runtime_pb2
 
 from swarm import protocol
 from swarm.errors import ManifestError, RemoteStageError, SwarmError
-from swarm.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from swarm.manifest import Manifest, parse_manifest
+from swarm.manifest_loading import MAX_MANIFEST_BYTES
 from swarm.server.service import NAMESPACE, StageService
 from swarm.server.state import STATE_COUNTERS
 from swarm.throughput import PROBE_BYTES, measure_bandwidth
