@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save
+from safetensors.torch import save_file
 
 from swarm.errors import SwarmError
 from swarm.files import atomic_write
@@ -75,7 +75,8 @@ def save_checkpoint(
         "counters": json.dumps({key: int(value) for key, value in counters.items()}),
         "saved_at": repr(time.time()),
     }
-    atomic_write(path, save({name: tensor.contiguous() for name, tensor in items}, metadata=metadata))
+    tensors = {name: tensor.contiguous() for name, tensor in items}
+    atomic_write(path, lambda temporary: save_file(tensors, temporary, metadata=metadata))
     return path
 
 

@@ -188,14 +188,13 @@ def check_output_path(path: Path) -> None:
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
     """Write atomically (swarm/files.py: a reader never sees half a file, and no temporary file is left behind).
     Returns the file's size in bytes. Raises ExportError on any OS error."""
-    from safetensors.torch import save
+    from safetensors.torch import save_file
 
-    data = save(tensors, metadata=metadata)
     try:
-        atomic_write(path, data)
+        atomic_write(path, lambda temporary: save_file(tensors, temporary, metadata=metadata))
+        return path.stat().st_size
     except OSError as e:
         raise ExportError(f"cannot write {path}: {e.strerror or e}") from None
-    return len(data)
 
 
 # -------------------------------------------------------------------------------------------- the swarm

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 _ORDINARY_MODE = 0o666  # what open() gives a new file: the process's umask then takes its bits away
 
 
-def atomic_write(path: Path | str, data: bytes | str, mode: int | None = None) -> None:
-    """Replace `path` with `data` (a str is written as UTF-8) atomically and durably.
+def atomic_write(path: Path | str, data: bytes | str | Callable[[Path], None], mode: int | None = None) -> None:
+    """Replace `path` with `data` (a str is written as UTF-8) atomically and durably. `data` may also be a
+    function that writes the temporary file at the path it is given (e.g. safetensors' save_file, which writes
+    large tensors without building the whole file in memory first).
 
     mode: the file's permissions, exactly (the temporary file never has wider ones, so a secret is never
     readable by others, not even for a moment); None: those of a new ordinary file (0o666 less the umask).
@@ -30,9 +33,15 @@ def atomic_write(path: Path | str, data: bytes | str, mode: int | None = None) -
         with os.fdopen(descriptor, "wb") as file:
             if mode is not None:
                 os.fchmod(file.fileno(), mode)  # exactly `mode`, whatever the umask
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
+            if callable(data):
+                data(temporary)  # it replaces or rewrites the file: reopen it to fsync what it wrote
+            else:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+        if callable(data):
+            with open(temporary, "rb+") as written:
+                os.fsync(written.fileno())
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
