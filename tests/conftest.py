@@ -114,7 +114,7 @@ class PeerProcess:
                     lines.append(json.loads(line))
                 except json.JSONDecodeError:
                     pass
-        return lines
+        return [line for line in lines if "event" not in line]  # event lines: see swarm/events.py
 
     def kill_group(self, sig: int = signal.SIGKILL) -> None:
         processes.signal_group(self.pgid, sig)
