@@ -1,7 +1,7 @@
 """Checkpoints of a stage's state: one safetensors file per stage, written atomically.
 
 A checkpoint holds everything a stage server hands to a peer that takes the stage over (parameters, optimizer
-statistics, DiLoCo's outer state, named as in swarm/stage_state.py) and, in the file's metadata, the swarm id,
+statistics, DiLoCo's outer state, named as in swarm/server/state.py) and, in the file's metadata, the swarm id,
 the stage, its layers, the counters (optimizer steps, averaging round) and when it was saved. It is written
 atomically (swarm/files.py): a crash leaves either the old checkpoint or the new one, never half of one.
 

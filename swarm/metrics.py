@@ -1,9 +1,10 @@
 """Prometheus metrics of one peer (`swarm-peer --metrics-port N`).
 
-Nothing is counted for this module: at each scrape, a collector reads the counters that the peer keeps anyway
-(the Rebalancer, its current StageServer, the Trainer), so serving and training pay nothing for it. The peer's
-objects are changed by its event loop (and the server's worker thread), so the collector reads them on the
-event loop too: a scrape waits for one turn of the loop, and gets figures that belong together.
+Nothing is counted for this module: at each scrape, a collector takes the snapshots the peer's status line and
+announcement read too (StageStats of its current StageServer, TrainerStats of its Trainer: swarm/stats.py) and
+the Rebalancer's moves and traffic, so serving and training pay nothing for it. The peer's objects change on its
+event loop (and the stage's counters in its worker thread), so the collector reads them on the event loop too: a
+scrape waits for one turn of the loop, and gets figures that belong together.
 
 Names follow Prometheus' conventions: prefix `swarm_`, counters end in `_total`, units in the name. Every
 series carries `swarm_id` and `peer_id`; those of the served stage carry `stage` too (a peer that moves starts

@@ -6,9 +6,9 @@ the RPC handlers (server/service.py), the announcement (server/announcer.py) and
 stage's stats snapshot (swarm/stats.py) that the announcement, the status line and the metrics read.
 
 Lifecycle: `join` announces the peer as joining the stage (others count it in, and do not pick the stage too)
-while the rebalancer loads the stage's state into it (`load_state`); `start` registers the handlers and
-announces it online; `drain` stops taking requests and waits for those in flight; `shutdown` stops everything,
-saves a last checkpoint and announces it offline.
+while server/takeover.py loads the stage's state into it (`load_state`); `start` registers the handlers and
+announces it online; `drain` stops taking requests and waits for those in flight; `shutdown` announces it
+offline, removes the handlers, lets the worker finish, saves a last checkpoint and stops the averager.
 """
 
 from __future__ import annotations
