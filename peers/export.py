@@ -1,10 +1,7 @@
 """swarm-export: download every stage's trained parameters from a running swarm into one safetensors file.
 
-It joins the swarm's DHT as a client (it serves nothing and is never routed to), reads the stages'
-announcements, downloads each stage's state from one of its online peers (fastest first, up to 3 tried per
-stage), keeps the parameters, renames them to the names of the whole model (`swarm.model.build_full_model`:
-stage s's local block j is the model's block `stages[s][0] + j`), checks them, and writes them atomically with
-the manifest's model config in the file's metadata, so that `examples/generate.py` can rebuild the model.
+The program: arguments, a DHT client node, progress and the summary. The export itself (finding each stage's
+peers, downloading, renaming to the whole model's names, checking, writing atomically) is swarm/export.py's.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
-"""Averaging within a stage: the peers serving one stage keep one model by averaging in rounds.
+"""Averaging within a stage: the math of a round, and the hivemind averager that runs it.
 
-Each peer steps locally on the microbatches it serves. Every `every_samples` samples processed by the stage
-across the swarm, its peers meet in a round (hivemind's DecentralizedAverager: matchmaking through the DHT,
-then a butterfly all-reduce of compressed tensors) and average:
+The pure parts (whether a round is due, the DiLoCo outer step, how far a result moves the parameters, the bytes a
+round moves) are plain functions below. `StageAverager` wraps hivemind's DecentralizedAverager: what this peer
+contributes to a round, how a result is checked and applied (the delta rule), and the network part. When a stage
+averages is swarm/server/rounds.py's; the modes, and why this is built on DecentralizedAverager rather than
+hivemind.Optimizer, are in docs/ARCHITECTURE.md, "Averaging within a stage".
 
-- parameters mode: the parameters (and optionally the optimizer's statistics), weighted by the samples each
-  peer processed since its last round. Serving goes on during the round, so the result is applied by the
-  delta rule: value += average - value at the round's start, which keeps the local steps taken meanwhile.
-- diloco mode: the pseudo-gradient (parameters at the last round - parameters now), weighted by samples, then
-  an outer SGD step with Nesterov momentum on the parameters of the last round (the "anchor"); local steps
-  taken during the round are kept on top, as in parameters mode.
-
-Why our own design on DecentralizedAverager rather than hivemind.Optimizer: the stage server owns its local
-steps (gradient accumulation over microbatches, weight stashing for backward), averaging must never block
-serving, DiLoCo's outer step is not part of hivemind.Optimizer, and a peer that moves to another stage needs
-its averaging torn down and set up again. The pure parts (when a round is due, the outer step, the delta rule,
-the bytes a round moves) are plain functions below; StageAverager does the I/O.
-
-Thread model: begin_round() and finish_round() touch the model and run in the stage server's worker thread,
-between two requests; run_round() blocks on the network and runs in a thread of its own.
+Thread model: begin_round() and finish_round() touch the model and run in the stage's worker thread
+(swarm/server/compute.py), between two requests; run_round() blocks on the network and runs in a thread of its
+own. A StageAverager is created on the main thread: hivemind sets a signal handler and forks a process.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """Which stage each peer serves: pure functions over announced records (no I/O).
 
-A stage's capacity is the sum of the throughputs (samples/s) of the peers serving it, and the swarm trains at
-the speed of its bottleneck, the stage with the lowest total. There is no coordinator: every peer runs the same
-functions over the same announced records and acts only on its own part of the result.
+`peer_loads` turns announcements into loads, `choose_stage` is a joining peer's choice, `should_move` an online
+peer's check (through `plan_moves`, the greedy plan it simulates), `worthwhile_moves` that answer for every peer
+at once (for simulations and status pages), `apply_moves` the records as they would be after some moves, and
+`optimal_assignment`, `upper_bound` and `efficiency` how far an assignment is from the best one. The rules, and
+why a plan rather than a single move: docs/ARCHITECTURE.md, "Balancing".
 
-- A joining peer takes the stage with the lowest total (`choose_stage`): adding a peer anywhere else cannot
-  raise the bottleneck.
-- Every online peer checks now and then whether it should move (`should_move`). A single move of one peer
-  rarely raises a large swarm's bottleneck by much (the next-lowest stage is usually close behind), so the
-  decision looks at where the swarm would get by a sequence of improving moves: `plan_moves`, a greedy plan
-  that repeatedly moves one peer into the bottleneck stage.
-- Only the peers that the plan moves do move. Everyone computes the same plan from the same records (records
-  are put in peer-id order first and ties go to the lowest peer id), so peers do not all rush to the
-  bottleneck at once.
-- Hysteresis: nothing moves unless the plan raises the bottleneck by more than `min_gain`, so measurement
-  noise in announced throughputs does not make peers move back and forth.
-- Every step of a plan strictly raises the sorted vector of stage totals (lexicographically), so a plan ends,
-  and applying plans one after the other cannot cycle.
-- A plan never takes the last online peer away from a stage, and never moves a joining peer (it is still
-  downloading its state) or a pinned one.
-
-`worthwhile_moves` is should_move's answer for every peer at once (what a simulation or a status page wants),
-and `apply_moves` gives the records as they would be after some moves. `optimal_assignment`, `upper_bound` and
-`efficiency` measure how far an assignment is from the best one.
+What the I/O around these relies on: every peer computes the same plan from the same records (records are put
+in peer-id order first and ties go to the lowest peer id), every step of a plan strictly raises the sorted
+vector of stage totals (so plans end and cannot cycle), and a plan never takes a stage's last online peer nor
+moves a joining or pinned one.
 """
 
 from __future__ import annotations

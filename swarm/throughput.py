@@ -1,20 +1,12 @@
-"""Measure how many samples per second a peer can serve for its stage.
+"""How many samples per second a peer can serve for its stage: the figures' math.
 
-Two limits, and the peer serves at the lower of them:
-- compute: samples per second of what the stage server does per sample on this device (a forward that keeps
-  its activations, and a backward), timed after a warm-up;
-- network: the bytes per second this peer can exchange with another peer of the swarm, divided by the bytes
-  a sample of this stage moves in each direction (activations in and out, and their gradients).
-
-Compute figures are cached on disk, keyed by device, model config and stage shape, because they take seconds
-to measure and do not change; network figures are measured again on each start (they depend on who is
-reachable). While serving, a peer also keeps an EMA of the throughput it actually delivers
-(`DeliveredThroughput`).
-
-`SimulatedSpeed` (testing aid, `swarm-peer --simulated-speed S`): each compute step is padded with sleep until
-it has lasted 1/S times as long as this device needs for it by its measured (cached) throughput, so the peer
-serves, and measures, like a device S times as fast. Padding to the measured time, rather than multiplying
-each step's own duration, keeps momentary CPU contention from being amplified 1/S times.
+A peer serves at the lower of two limits: compute (what the stage server does per sample on this device, timed)
+and network (bytes per second to another peer, divided by the bytes a sample of the stage moves). This module
+times compute, turns probe exchanges into bandwidth, computes bytes per sample, caches compute figures on disk,
+keeps the delivered EMA (`DeliveredThroughput`) and pads compute steps for `--simulated-speed`
+(`SimulatedSpeed`); what to measure against whom is swarm/server/measurement.py's. Details, and why simulated
+speed pads to the measured time rather than multiplying each step's duration: docs/ARCHITECTURE.md,
+"Throughput".
 """
 
 from __future__ import annotations

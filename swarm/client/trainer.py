@@ -1,13 +1,10 @@
 """Trainer: reads its data shard, pushes microbatches through one peer per stage and back.
 
-For each microbatch and each stage the trainer picks the online peer with the least expected time to finish
-it (swarm/routing.py: its own observations of each peer's speed and of the work it has outstanding there),
-keeps the stage inputs it needs for backward, and sends backward to the peer that ran forward (which still
-holds the activations). If a peer fails or times out, that stage is retried on another peer, the inputs are
-re-sent so that it can recompute forward, and the failed peer is banned for a time that grows with repeated
-failures. Several microbatches
-are in flight at once, so the stages work in parallel. Nothing waits forever: every call has a timeout and
-every microbatch a deadline.
+The choice of a peer per stage is swarm/routing.py's (by the trainer's own observations); this module sends the
+calls (swarm/client/rpc.py, or this peer's own server directly), keeps each stage's inputs so that a failed
+backward can be recomputed elsewhere, retries and bans, and reports progress (TrainerStats, and a report in the
+DHT). Nothing waits forever: every call has a timeout and every microbatch a deadline. The rules:
+docs/ARCHITECTURE.md, "Trainer".
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Can other peers dial this one? The dial-back check on start, and reverse connections for peers they cannot.
+"""Can other peers dial this one? The dial-back check on start, the service that answers others' checks, and
+reverse connections for a peer that nobody can dial.
 
-The check: before its DHT starts, a peer starts a short-lived libp2p node with the same listen and announce
-addresses, and asks a few known peers to dial that node back. Each of them dials from a separate "probe"
-daemon that has no connection to the asker and no relays, so a success means a fresh direct connection works
-(dialing from the helper's own daemon would just reuse the asker's connection and always succeed).
-
-A peer that cannot be dialed (behind a NAT or firewall, or started with --no-listen) runs its DHT in client
-mode, announces `reachable: false`, and opens a connection itself to every peer that may call it (the
-stages' peers and the trainers, from their records); calls to it then ride on those connections. Why not
-hivemind's relays: libp2p circuit relays (v2, as in hivemind 1.1.12's p2pd) cut every relayed connection after
-128 KiB, far less than one microbatch's activations (docs/ARCHITECTURE.md, "Peers behind NAT").
+A helper dials from a separate "probe" daemon, never from its own: its own daemon would reuse the connection the
+asker opened and always succeed. A peer nobody can dial opens connections to the peers that may call it, and
+their calls ride on those. hivemind's circuit relays are not used: they cut every relayed connection after 128 KiB
+per direction, about one microbatch of the demo's activations. Details: docs/ARCHITECTURE.md, "Peers behind NAT".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""Which stage this peer serves: the choice on join, the state download, and moves when the swarm is unbalanced.
+"""Which stage this peer serves: the choice on join, balance checks, and moves when the swarm is unbalanced.
 
 The decisions are swarm/balancing.py's pure functions over the peers' announcements; this module does the I/O
 around them: it reads the DHT, asks server/measurement.py for throughput and server/takeover.py for the stage's
-state, and switches the StageServer.
-
-Join:  short random delay -> look -> choose the bottleneck stage -> measure (cached) -> look again (peers that
-       started at the same time have announced by now) -> announce "joining" there -> download the stage's
-       state from an online peer of it -> serve, announce "online".
-Check: every check_period x U(0.5, 1.5) seconds: should_move over the current announcements; if it says move,
-       wait a short random time and look again, then move only if the answer is still the same.
-Move:  build and measure the target stage while still serving -> announce "joining" there -> download its
-       state -> stop taking requests on the old stage, finish those in flight, announce it "offline" ->
-       serve the target, announce "online". If no peer of the target can give its state, the move is called
-       off and the peer stays where it was.
+state, and switches from one StageServer to the next. The order of a join and of a move (a move downloads the
+target's state before it leaves the old stage, and is called off if it cannot): docs/ARCHITECTURE.md,
+"One peer" and "Balancing".
 """
 
 from __future__ import annotations
