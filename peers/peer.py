@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import logging
 import sys
@@ -17,16 +16,14 @@ from peers import runtime
 from swarm import __version__, joining
 from swarm.checkpoint import default_checkpoint_dir
 from swarm.client.trainer import Trainer
-from swarm.data import TextData
 from swarm.errors import PeerStartError, SwarmError
 from swarm.events import Event, EventKind
 from swarm.identity import claim_identity, identity_taken, without_own_address
 from swarm.manifest import Manifest
 from swarm.manifest_loading import write_manifest
-from swarm.metrics import start_metrics_server
+from swarm.peer import Peer, TrainingOptions
 from swarm.records import MAX_THROUGHPUT, announceable
-from swarm.server import reachability
-from swarm.server.reachability import ReachabilityService, ReverseConnector, check_reachability
+from swarm.server.reachability import check_reachability
 from swarm.server.rebalancer import Rebalancer
 from swarm.server.stage import ServingOptions, StageServer
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
@@ -320,10 +317,7 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
     if manifest is None:
         manifest = await joining.manifest_through_peer(p2p, args.join, manifest)
         check_stage_flag(args, manifest)
-    peer_id = str(dht.peer_id)
-    print(f"swarm {manifest.name!r} (id {manifest.swarm_id}), peer {peer_id}", flush=True)
-    service = ReachabilityService(manifest)  # answers other peers' "can you dial me?"
-    await service.add_p2p_handlers(p2p, namespace=reachability.NAMESPACE)
+    print(f"swarm {manifest.name!r} (id {manifest.swarm_id}), peer {dht.peer_id}", flush=True)
     maddrs = [] if args.no_listen else joining.visible_maddrs(dht)  # hivemind logs an error for a non-listener
     if args.reachable:
         print("reachable at:", flush=True)
@@ -334,11 +328,7 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
             publish_addresses(args, manifest, maddrs)
         else:
             print("not writing the manifest: nobody can join through a peer that others cannot dial", flush=True)
-
-    trainer: Trainer | None = None
-    trainer_task: asyncio.Task | None = None
-    balance_task: asyncio.Task | None = None
-    options = ServingOptions(
+    serving = ServingOptions(
         stage=args.stage,
         throughput=args.throughput,
         bandwidth_mbits=args.bandwidth,
@@ -349,6 +339,7 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
         reachable=args.reachable,
         maddrs=announceable(maddrs) if args.reachable else (),  # nobody can dial an unreachable peer
     )
+    training = TrainingOptions(enabled=args.trainer, data=args.data, seed=args.seed)
 
     def on_switch(server: StageServer) -> None:
         layers = server.layers
@@ -358,71 +349,29 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
             f"(compute {server.throughput.compute:.1f}, network {server.throughput.network:.1f})",
             flush=True,
         )
-        if trainer is not None:
-            trainer.local_server = server
 
-    rebalancer = Rebalancer(
-        manifest, dht, p2p, peer_id, device, options, on_switch=on_switch, on_event=lambda e: print_event(e, args.json)
-    )
-    metrics = None
-    connector_task: asyncio.Task | None = None
+    peer = Peer(manifest, dht, p2p, device, serving, training, on_switch, lambda e: print_event(e, args.json))
     try:
-        if not args.reachable:  # from the start: peers it downloads state from or measures against may call back
-            connector = ReverseConnector(p2p, rebalancer.view, peer_id, CONNECT_PERIOD)
-            connector_task = asyncio.create_task(connector.run(stop))
-        if args.metrics_port is not None:  # before the join (it may take minutes): scrapes show the peer "joining"
-            metrics = start_metrics_server(args.metrics_host, args.metrics_port, rebalancer, lambda: trainer)
-            print(f"metrics at {metrics.url}", flush=True)
-        await rebalancer.start()
-        balance_task = asyncio.create_task(rebalancer.run(stop))
-        if args.trainer:
-            shard = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little") % manifest.data.shards
-            data = TextData.load(
-                args.data or manifest.data.source, manifest.data.heldout_fraction, shard, manifest.data.shards
-            )
-            trainer = Trainer(
-                manifest,
-                dht,
-                p2p,
-                peer_id,
-                seed=args.seed,
-                local_server=rebalancer.server,
-                view=rebalancer.view,
-                traffic=rebalancer.traffic,
-                reachable=args.reachable,
-            )
-            trainer_task = asyncio.create_task(trainer.train(data.train, stop))
-            print(f"training on data shard {shard} ({len(data.train) / 1e6:.1f} MB)", flush=True)
-
+        metrics = None if args.metrics_port is None else (args.metrics_host, args.metrics_port)
+        await peer.start_services(metrics)
+        if peer.metrics is not None:
+            print(f"metrics at {peer.metrics.url}", flush=True)
+        await peer.join()
+        if peer.shard is not None:
+            print(f"training on data shard {peer.shard} ({peer.train_bytes / 1e6:.1f} MB)", flush=True)
         started = time.monotonic()
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=args.status_every)
             except TimeoutError:
                 pass
-            for task in (trainer_task, balance_task):
-                if task is not None and task.done() and not stop.is_set():
-                    task.result()  # surface a crash
+            if not stop.is_set():
+                peer.check()  # surface a crash
             if args.duration is not None and time.monotonic() - started >= args.duration:
                 stop.set()
-            print_progress(rebalancer, trainer, args.json)
+            print_progress(peer.rebalancer, peer.trainer, args.json)
     finally:
-        stop.set()
-        if balance_task is not None:
-            balance_task.cancel()  # a move in progress (a state download) must not delay the exit
-        if connector_task is not None:
-            connector_task.cancel()
-        for task in (trainer_task, balance_task, connector_task):
-            if task is not None:
-                await asyncio.gather(task, return_exceptions=True)
-        await rebalancer.shutdown()
-        await service.shutdown()
-        try:
-            await asyncio.wait_for(p2p.shutdown(), timeout=5)
-        except Exception as e:
-            logger.warning(f"p2p shutdown failed: {e!r}")
-        if metrics is not None:
-            metrics.stop()
+        await peer.shutdown()
         print("stopped cleanly", flush=True)
     return 0
 

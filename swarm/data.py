@@ -108,6 +108,12 @@ def _split_tail(tokens: np.ndarray, heldout_fraction: float) -> tuple[np.ndarray
     return tokens[:cut], tokens[cut:]
 
 
+def trainer_shard(peer_id: str, shards: int) -> int:
+    """The data shard a peer's trainer reads: a hash of its peer id, so that no coordinator assigns shards and a
+    restarted peer with the same identity reads the same one."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little") % shards
+
+
 def sample_batch(
     tokens: np.ndarray, batch_size: int, length: int, rng: np.random.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,7 +74,7 @@ def start_dht(
             client_mode=client_mode or no_listen,  # nobody could reach its DHT requests' handlers
             startup_timeout=startup_timeout,
             **({"no_listen": True} if no_listen else {}),
-            # the peer checked that the identity is free itself (peers/identity.py), with a clearer error
+            # the peer checked that the identity is free itself (swarm/identity.py), with a clearer error
             **({"identity_path": str(identity_path), "check_if_identity_free": False} if identity_path else {}),
             **({"authorizer": secret.authorizer()} if secret is not None else {}),
         )

@@ -91,7 +91,7 @@ class Announcement:
     activation_bytes_received: int = 0
     averaging_bytes_sent: int = 0  # payload of averaging rounds
     averaging_bytes_received: int = 0
-    reachable: bool = True  # False: others cannot dial it (NAT, firewall); it dials them (peers/reachability.py)
+    reachable: bool = True  # False: others cannot dial it (NAT, firewall); it dials them (swarm/server/reachability.py)
     maddrs: tuple[str, ...] = ()  # where to dial it; an unreachable peer dials these of the others
     version: str = __version__
     protocol_version: int = PROTOCOL_VERSION

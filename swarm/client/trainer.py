@@ -325,7 +325,9 @@ class Trainer:
     async def _report_forever(self) -> None:
         period = self.manifest.network.announce_period
         maddrs: tuple[str, ...] = ()
-        if self.reachable:  # so that stage peers that others cannot dial can dial this trainer (peers/reachability.py)
+        if (
+            self.reachable
+        ):  # so that stage peers that others cannot dial can dial this trainer (swarm/server/reachability.py)
             try:
                 maddrs = announceable([str(a) for a in await self.p2p.get_visible_maddrs()])
             except ValueError:  # a node that does not listen has no address

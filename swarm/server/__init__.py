@@ -1,0 +1,1 @@
+"""What serves a stage: see docs/ARCHITECTURE.md, "Layout"."""

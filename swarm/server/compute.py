@@ -270,6 +270,10 @@ class StageCompute:
 
     # ---------------------------------------------------------------------------------- averaging
 
+    def attach_averager(self, averager: StageAverager) -> None:
+        """The stage averages: its rounds read and write these tensors, and its outer state is part of the state."""
+        self.averager = averager
+
     def begin_round(self) -> None:
         assert self.averager is not None
         self.averager.begin_round()

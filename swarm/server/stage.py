@@ -110,7 +110,7 @@ class StageServer:
             averager = self.worker.before_first_task(
                 lambda c: StageAverager(self.manifest, self.stage, dht, c.param_names, c.params, c.optimizer)
             )
-            self.worker.before_first_task(lambda c: setattr(c, "averager", averager))
+            self.worker.before_first_task(lambda c: c.attach_averager(averager))
             self.rounds = AveragingRounds(
                 self.manifest,
                 self.stage,

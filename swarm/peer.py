@@ -1,0 +1,133 @@
+"""One peer of a swarm, as a `swarm-peer` process runs it: its parts, started and stopped in order.
+
+The parts: the reachability service (it answers other peers' "can you dial me?"), a reverse connector when
+others cannot dial this peer, the Prometheus metrics endpoint if asked for, the rebalancer (which serves a stage
+and moves between stages) and the trainer. The program (peers/peer.py) parses flags, prints, and calls
+`start_services`, `join`, `check` and `shutdown`; everything the peer reports comes back through callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from hivemind import DHT
+from hivemind.p2p import P2P
+
+from swarm.client.trainer import Trainer
+from swarm.data import TextData, trainer_shard
+from swarm.events import OnEvent, ignore
+from swarm.manifest import Manifest
+from swarm.metrics import MetricsServer, start_metrics_server
+from swarm.server import reachability
+from swarm.server.reachability import ReachabilityService, ReverseConnector
+from swarm.server.rebalancer import Rebalancer
+from swarm.server.stage import ServingOptions, StageServer
+
+logger = logging.getLogger(__name__)
+
+CONNECT_PERIOD = 5.0  # seconds between a peer's looks for peers to connect to, when others cannot dial it
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """Whether and how the peer trains (swarm-peer's --trainer, --data, --seed)."""
+
+    enabled: bool = True
+    data: str | None = None  # a text file or folder instead of the manifest's data source
+    seed: int | None = None  # of the trainer's data order; None: random
+
+
+class Peer:
+    def __init__(
+        self,
+        manifest: Manifest,
+        dht: DHT,
+        p2p: P2P,
+        device: torch.device,
+        serving: ServingOptions,
+        training: TrainingOptions = TrainingOptions(),
+        on_switch: Callable[[StageServer], None] = lambda server: None,
+        on_event: OnEvent = ignore,
+    ):
+        self.manifest, self.dht, self.p2p, self.device = manifest, dht, p2p, device
+        self.serving, self.training = serving, training
+        self.peer_id = str(dht.peer_id)
+        self.trainer: Trainer | None = None
+        self.metrics: MetricsServer | None = None
+        self.shard: int | None = None  # the trainer's data shard
+        self.train_bytes = 0
+
+        def switched(server: StageServer) -> None:
+            if self.trainer is not None:
+                self.trainer.local_server = server
+            on_switch(server)
+
+        self.rebalancer = Rebalancer(
+            manifest, dht, p2p, self.peer_id, device, serving, on_switch=switched, on_event=on_event
+        )
+        self._reachability = ReachabilityService(manifest)
+        self._stop = asyncio.Event()
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    async def start_services(self, metrics_address: tuple[str, int] | None = None) -> None:
+        """What runs before the peer has a stage: reachability answers, the reverse connector (peers it downloads
+        state from or measures against may call back), and metrics (a join may take minutes: scrapes show the
+        peer joining meanwhile). Raises PeerStartError if the metrics address is unusable."""
+        await self._reachability.add_p2p_handlers(self.p2p, namespace=reachability.NAMESPACE)
+        if not self.serving.reachable:
+            connector = ReverseConnector(self.p2p, self.rebalancer.view, self.peer_id, CONNECT_PERIOD)
+            self._tasks["connector"] = asyncio.create_task(connector.run(self._stop))
+        if metrics_address is not None:
+            self.metrics = start_metrics_server(*metrics_address, self.rebalancer, lambda: self.trainer)
+
+    async def join(self) -> None:
+        """Choose a stage, take over its state and serve it; then keep balancing, and train if asked to."""
+        await self.rebalancer.start()
+        self._tasks["balancing"] = asyncio.create_task(self.rebalancer.run(self._stop))
+        if not self.training.enabled:
+            return
+        manifest = self.manifest
+        self.shard = trainer_shard(self.peer_id, manifest.data.shards)
+        data = TextData.load(
+            self.training.data or manifest.data.source, manifest.data.heldout_fraction, self.shard, manifest.data.shards
+        )
+        self.train_bytes = len(data.train)
+        self.trainer = Trainer(
+            manifest,
+            self.dht,
+            self.p2p,
+            self.peer_id,
+            seed=self.training.seed,
+            local_server=self.rebalancer.server,
+            view=self.rebalancer.view,
+            traffic=self.rebalancer.traffic,
+            reachable=self.serving.reachable,
+        )
+        self._tasks["training"] = asyncio.create_task(self.trainer.train(data.train, self._stop))
+
+    def check(self) -> None:
+        """Raise what made the trainer or the balancing loop fail (e.g. a SwarmError: serving nothing at all)."""
+        for name in ("training", "balancing"):
+            task = self._tasks.get(name)
+            if task is not None and task.done() and not self._stop.is_set():
+                task.result()
+
+    async def shutdown(self) -> None:
+        """Stop everything, each step bounded: on Ctrl-C the DHT process and p2p daemon may already be gone."""
+        self._stop.set()
+        for name in ("balancing", "connector"):  # a move in progress (a state download) must not delay the exit
+            if name in self._tasks:
+                self._tasks[name].cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await self.rebalancer.shutdown()
+        await self._reachability.shutdown()
+        try:
+            await asyncio.wait_for(self.p2p.shutdown(), timeout=5)
+        except Exception as e:
+            logger.warning(f"p2p shutdown failed: {e!r}")
+        if self.metrics is not None:
+            self.metrics.stop()
