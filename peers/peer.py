@@ -168,7 +168,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: never)")
     parser.add_argument("--status-every", type=float, default=10.0, help="print a status line this often (seconds)")
-    parser.add_argument("--json", action="store_true", help="print status lines as JSON (one object per line)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print status lines and events (moves, state taken, averaging rounds) as JSON, one object per line",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed of the trainer's data order (default: random)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")

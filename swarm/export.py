@@ -29,10 +29,10 @@ from swarm.client.rpc import download_state
 from swarm.errors import SwarmError
 from swarm.files import atomic_write
 from swarm.manifest import Manifest
-from swarm.model import build_full_model, build_stage
+from swarm.model import build_full_model
 from swarm.records import Announcement, PeerState, fetch_announcements
 from swarm.routing import online_peers
-from swarm.server.state import stage_state_shapes
+from swarm.server.state import stage_parameter_shapes, stage_state_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,6 @@ class ExportError(SwarmError):
 
 def parameter_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in module.named_parameters()}
-
-
-def stage_parameter_shapes(manifest: Manifest, stage: int) -> dict[str, tuple[int, ...]]:
-    """The parameters a stage holds, with their shapes (built on the meta device: no memory, no init cost)."""
-    with torch.device("meta"):
-        return parameter_shapes(build_stage(manifest, stage))
 
 
 def full_parameter_shapes(manifest: Manifest) -> dict[str, tuple[int, ...]]:

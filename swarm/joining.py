@@ -37,7 +37,7 @@ async def manifest_through_peer(p2p: P2P, join: str, manifest: Manifest | None) 
     later calls to the same peer time out (docs/ARCHITECTURE.md, end of "Averaging within a stage")."""
     if manifest is not None:
         return manifest
-    from swarm.client.rpc import manifest_from_peer  # the server's client side; runtime stays light to import
+    from swarm.client.rpc import manifest_from_peer  # imported late: joining stays light to import
 
     return await manifest_from_peer(p2p, join)
 

@@ -57,12 +57,17 @@ def outer_state_shapes(manifest: Manifest, parameter_shapes: dict[str, tuple[int
     return shapes
 
 
-def stage_state_shapes(manifest: Manifest, stage: int) -> dict[str, tuple[int, ...]]:
-    """The layout of `stage`'s state from the manifest alone: the model is built on the meta device (no memory,
-    no initialisation)."""
+def stage_parameter_shapes(manifest: Manifest, stage: int) -> dict[str, tuple[int, ...]]:
+    """The parameters `stage` trains, with their shapes, from the manifest alone: the model is built on the meta
+    device (no memory, no initialisation)."""
     with torch.device("meta"):
         model = build_stage(manifest, stage)
-    return state_shapes(manifest, {name: tuple(p.shape) for name, p in trainable_parameters(model)})
+    return {name: tuple(p.shape) for name, p in trainable_parameters(model)}
+
+
+def stage_state_shapes(manifest: Manifest, stage: int) -> dict[str, tuple[int, ...]]:
+    """The layout of `stage`'s state from the manifest alone."""
+    return state_shapes(manifest, stage_parameter_shapes(manifest, stage))
 
 
 def state_tensors(
