@@ -124,7 +124,7 @@ def test_replicas_trained_on_different_data_converge_and_a_failed_round_is_skipp
     assert ann.averaging_bytes_sent > 0 and ann.averaging_round >= 1
 
     # b stops answering (still announced online for a few seconds): a's next round cannot form a group
-    b.kill_group(signal.SIGSTOP)
+    b.signal_group(signal.SIGSTOP)
     try:
         client.train(a.peer_id(), seed=1, microbatches=21)
         a.wait_for(r"averaging round 1 of stage 0 skipped", timeout=40)
@@ -133,7 +133,7 @@ def test_replicas_trained_on_different_data_converge_and_a_failed_round_is_skipp
         assert parameter_distance(client.state(a.peer_id()), before) > 0
         assert a.process.poll() is None
     finally:
-        b.kill_group(signal.SIGCONT)
+        b.signal_group(signal.SIGCONT)
 
 
 def test_a_killed_peer_resumes_from_its_checkpoint_or_from_peers_that_are_ahead(
