@@ -30,7 +30,8 @@ from peers.processes import start_local_peer, stop_peers  # noqa: E402
 from swarm import joining  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.data import TextData, sample_batch  # noqa: E402
-from swarm.manifest import Manifest, load_manifest  # noqa: E402
+from swarm.manifest import Manifest  # noqa: E402
+from swarm.manifest_loading import load_manifest  # noqa: E402
 from swarm.model import build_full_model  # noqa: E402
 from swarm.records import PeerState, fetch_announcements  # noqa: E402
 

@@ -22,7 +22,8 @@ from swarm import joining
 from swarm.client.trainer import Trainer
 from swarm.data import TextData, heldout_batches
 from swarm.errors import SwarmError
-from swarm.manifest import Manifest, load_manifest
+from swarm.manifest import Manifest
+from swarm.manifest_loading import load_manifest
 from swarm.model import build_full_model
 from swarm.records import PeerState, fetch_announcements, fetch_trainer_reports
 from swarm.server.reachability import NAMESPACE as REACHABILITY_NAMESPACE

@@ -14,7 +14,8 @@ from rich.table import Table
 
 from swarm import __version__
 from swarm.errors import SwarmError
-from swarm.manifest import AVERAGING_MODES, COMPRESSIONS, OPTIMIZERS, Manifest, write_manifest
+from swarm.manifest import AVERAGING_MODES, COMPRESSIONS, OPTIMIZERS, Manifest
+from swarm.manifest_loading import write_manifest
 from swarm.model import count_stage_parameters
 from swarm.presets import PRESETS, new_manifest
 from swarm.secret import write_secret

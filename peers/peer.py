@@ -19,15 +19,16 @@ from swarm.checkpoint import default_checkpoint_dir
 from swarm.client.trainer import Trainer
 from swarm.data import TextData
 from swarm.errors import PeerStartError, SwarmError
+from swarm.events import Event, EventKind
 from swarm.identity import claim_identity, identity_taken, without_own_address
-from swarm.manifest import Manifest, write_manifest
+from swarm.manifest import Manifest
+from swarm.manifest_loading import write_manifest
 from swarm.metrics import start_metrics_server
-from swarm.model import count_parameters
 from swarm.records import MAX_THROUGHPUT, announceable
 from swarm.server import reachability
 from swarm.server.reachability import ReachabilityService, ReverseConnector, check_reachability
-from swarm.server.rebalancer import Rebalancer, ServingOptions
-from swarm.server.stage import StageServer
+from swarm.server.rebalancer import Rebalancer
+from swarm.server.stage import ServingOptions, StageServer
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
 
 logger = logging.getLogger("swarm-peer")
@@ -350,17 +351,19 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
     )
 
     def on_switch(server: StageServer) -> None:
-        model = server.model
+        layers = server.layers
         print(
-            f"serving stage {server.stage} (layers {model.layers.start}..{model.layers.stop - 1}, "
-            f"{count_parameters(model) / 1e6:.2f}M parameters) on {device}, {server.throughput.serving:.1f} samples/s "
+            f"serving stage {server.stage} (layers {layers.start}..{layers.stop - 1}, "
+            f"{server.parameter_count / 1e6:.2f}M parameters) on {device}, {server.throughput.serving:.1f} samples/s "
             f"(compute {server.throughput.compute:.1f}, network {server.throughput.network:.1f})",
             flush=True,
         )
         if trainer is not None:
             trainer.local_server = server
 
-    rebalancer = Rebalancer(manifest, dht, p2p, peer_id, device, options, on_switch=on_switch)
+    rebalancer = Rebalancer(
+        manifest, dht, p2p, peer_id, device, options, on_switch=on_switch, on_event=lambda e: print_event(e, args.json)
+    )
     metrics = None
     connector_task: asyncio.Task | None = None
     try:
@@ -427,53 +430,56 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
 def print_progress(rebalancer: Rebalancer, trainer: Trainer | None, as_json: bool) -> None:
     server = rebalancer.server
     assert server is not None
-    status = {
-        "stage": server.stage,
-        "moves": rebalancer.moves,
-        "throughput": round(server.throughput.serving, 2),
-        "delivered_throughput": round(server.delivered.value, 2),
-        "samples_served": server.samples_served,
-        "optimizer_steps": server.optimizer_steps,
-        "recomputed_forwards": server.recomputed_forwards,
-        "bad_requests": server.bad_requests,
-        "busy_replies": server.busy_replies,
-        "banned_replies": server.banned_replies,
-        "bans": server.bans.total,
-        "averaging_round": server.rounds.round,
-        "averaging_rounds": server.rounds.rounds,
-        "averaging_rounds_failed": server.rounds.failed,
-        "activation_bytes_sent": server.traffic.activation_sent,
-        "activation_bytes_received": server.traffic.activation_received,
-        "averaging_bytes_sent": server.traffic.averaging_sent,
-        "averaging_bytes_received": server.traffic.averaging_received,
-    }
-    if trainer is not None:
-        loss, speed = trainer.recent_stats()
-        status.update(
-            trainer_loss=round(loss, 4) if loss == loss else None,  # JSON has no NaN
-            trainer_samples_per_second=round(speed, 2),
-            trainer_samples=trainer.samples,
-            trainer_failed_microbatches=trainer.failed_microbatches,
-            unserved_stages=sorted(trainer.unserved_stages),
-        )
+    stats = server.stats()
+    trainer_stats = trainer.stats() if trainer is not None else None
     if as_json:
+        status = {**stats.to_dict(), "moves": rebalancer.moves}
+        if trainer_stats is not None:
+            status.update(trainer_stats.to_dict())
         print(json.dumps(status), flush=True)
         return
-    line = f"stage {server.stage}: served {server.samples_served} samples, {server.optimizer_steps} optimizer steps"
+    line = f"stage {stats.stage}: served {stats.samples_served} samples, {stats.optimizer_steps} optimizer steps"
     if rebalancer.moves:
         line += f" ({rebalancer.moves} moves)"
-    if server.rounds.rounds or server.rounds.failed:
-        line += f", averaged {server.rounds.rounds} rounds"
-        if server.rounds.failed:
-            line += f" ({server.rounds.failed} skipped)"
-    if trainer is not None:
+    if stats.averaging_rounds or stats.averaging_rounds_failed:
+        line += f", averaged {stats.averaging_rounds} rounds"
+        if stats.averaging_rounds_failed:
+            line += f" ({stats.averaging_rounds_failed} skipped)"
+    if trainer_stats is not None:
+        loss = trainer_stats.loss
         shown_loss = f"{loss:.3f}" if loss == loss else "-"  # NaN until the first microbatch completes
-        line += f" | trainer: loss {shown_loss}, {speed:.1f} samples/s, {trainer.samples} samples"
-        if trainer.failed_microbatches:
-            line += f", {trainer.failed_microbatches} microbatches dropped"
-        if trainer.unserved_stages:
-            line += f" | waiting for a peer to serve stage {', '.join(map(str, sorted(trainer.unserved_stages)))}"
+        line += (
+            f" | trainer: loss {shown_loss}, {trainer_stats.samples_per_second:.1f} samples/s, "
+            f"{trainer_stats.samples} samples"
+        )
+        if trainer_stats.failed_microbatches:
+            line += f", {trainer_stats.failed_microbatches} microbatches dropped"
+        if trainer_stats.unserved_stages:
+            waiting = ", ".join(map(str, trainer_stats.unserved_stages))
+            line += f" | waiting for a peer to serve stage {waiting}"
     print(line, flush=True)
+
+
+def print_event(event: Event, as_json: bool) -> None:
+    """An event the moment it happens: one JSON line with --json (benchmarks and tests read these), else a
+    sentence."""
+    if as_json:
+        print(json.dumps(event.to_dict()), flush=True)
+        return
+    f = event.fields
+    if event.kind == EventKind.MOVED:
+        text = f"moved from stage {f['from_stage']} to stage {f['to_stage']}"
+    elif event.kind == EventKind.STATE_TAKEN:
+        origin = {"peer": f"from peer {f['peer_id'][-8:]}", "checkpoint": "from this peer's checkpoint"}
+        text = (
+            f"took the state of stage {f['stage']} {origin.get(f['source'], 'afresh (nobody had it)')}: "
+            f"{f['optimizer_steps']} optimizer steps, averaging round {f['averaging_round']}"
+        )
+    else:
+        text = f"averaging round {f['round']} of stage {f['stage']}: {f['outcome']}"
+        if f["group_size"]:
+            text += f" with {f['group_size']} peers, parameters moved by {f['change']:.2%}"
+    print(text, flush=True)
 
 
 if __name__ == "__main__":

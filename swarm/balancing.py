@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.records import Announcement, PeerState
+
 EXACT_LIMIT = 18  # optimal_assignment is exact up to this many peers: worst case measured ~0.35 s (2 stages)
 
 
@@ -59,6 +61,16 @@ class Move:
     peer_id: str
     source: int
     target: int
+
+
+def peer_loads(stages: Sequence[Sequence[Announcement]], now: float) -> list[PeerLoad]:
+    """What balancing needs of each announced peer: joining and online peers whose records have not expired."""
+    return [
+        PeerLoad(ann.peer_id, ann.stage, ann.throughput, online=ann.state == PeerState.ONLINE, movable=not ann.pinned)
+        for anns in stages
+        for ann in anns
+        if ann.state in (PeerState.JOINING, PeerState.ONLINE) and ann.expiration > now
+    ]
 
 
 def stage_totals(peers: Sequence[PeerLoad], num_stages: int) -> list[float]:

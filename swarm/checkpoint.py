@@ -2,9 +2,8 @@
 
 A checkpoint holds everything a stage server hands to a peer that takes the stage over (parameters, optimizer
 statistics, DiLoCo's outer state, named as in swarm/stage_state.py) and, in the file's metadata, the swarm id,
-the stage, its layers, the counters (optimizer steps, averaging round) and when it was saved. It is written to
-a temporary file in the same folder, flushed to disk, then renamed over the old one: a crash leaves either the
-old checkpoint or the new one, never half of one.
+the stage, its layers, the counters (optimizer steps, averaging round) and when it was saved. It is written
+atomically (swarm/files.py): a crash leaves either the old checkpoint or the new one, never half of one.
 
 Loading checks before anything is used: the file must parse, belong to this swarm and this stage, and carry
 counters; the tensors are then checked against the model like any state from another peer
@@ -25,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from swarm.errors import SwarmError
+from swarm.files import atomic_write
 from swarm.manifest import Manifest
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def checkpoint_path(directory: Path, stage: int) -> Path:
 def save_checkpoint(
     directory: Path, manifest: Manifest, stage: int, items: list[tuple[str, torch.Tensor]], counters: dict[str, int]
 ) -> Path:
-    """Write the stage's state atomically (temporary file, fsync, rename); the path written."""
+    """Write the stage's state atomically (swarm/files.py); the path written. OSError if that is impossible."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(directory, stage)
@@ -75,19 +75,8 @@ def save_checkpoint(
         "counters": json.dumps({key: int(value) for key, value in counters.items()}),
         "saved_at": repr(time.time()),
     }
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file({name: tensor.contiguous() for name, tensor in items}, str(temporary), metadata=metadata)
-        with open(temporary, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a power loss
-        finally:
-            os.close(dir_fd)
-    finally:
-        temporary.unlink(missing_ok=True)
+    tensors = {name: tensor.contiguous() for name, tensor in items}
+    atomic_write(path, lambda temporary: save_file(tensors, temporary, metadata=metadata))
     return path
 
 

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import random
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from hivemind.utils import get_dht_time
 from swarm import PROTOCOL_VERSION, __version__, joining
 from swarm.client.rpc import download_state
 from swarm.errors import SwarmError
+from swarm.files import atomic_write
 from swarm.manifest import Manifest
 from swarm.model import build_full_model, build_stage
 from swarm.records import Announcement, PeerState, fetch_announcements
@@ -186,29 +186,15 @@ def check_output_path(path: Path) -> None:
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
-    """Write atomically: a temporary file in the same folder, flushed to disk, then renamed over `path`. Returns
-    the file's size in bytes. Raises ExportError on any OS error (and leaves no temporary file behind)."""
+    """Write atomically (swarm/files.py: a reader never sees half a file, and no temporary file is left behind).
+    Returns the file's size in bytes. Raises ExportError on any OS error."""
     from safetensors.torch import save_file
 
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-        os.close(fd)
-    except OSError as e:
-        raise ExportError(f"cannot write {path}: {e.strerror or e}") from None
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it the permissions of an ordinary file
-        os.replace(tmp, path)
+        atomic_write(path, lambda temporary: save_file(tensors, temporary, metadata=metadata))
         return path.stat().st_size
     except OSError as e:
         raise ExportError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 # -------------------------------------------------------------------------------------------- the swarm

@@ -11,7 +11,8 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 
 from swarm.errors import PeerStartError
-from swarm.manifest import Manifest, load_manifest
+from swarm.manifest import Manifest
+from swarm.manifest_loading import load_manifest
 from swarm.records import is_loopback
 from swarm.secret import SwarmSecret
 

@@ -1,9 +1,12 @@
-"""The manifest: a JSON document that defines a swarm.
+"""The manifest: a JSON document that defines a swarm, its data model and its validation.
 
 A manifest holds the model config, the stages (layer range of each), the training settings, the data
-source and the initial peers. It is validated on load: every problem is reported as a ManifestError that
-names the field. The swarm id is a hash of the canonical manifest *without* its initial peers, so the same
+source and the initial peers. It is validated when parsed: every problem is reported as a ManifestError that
+names the field. Each setting's default is stated once, in its dataclass field below; the validator reads it
+from there. The swarm id is a hash of the canonical manifest *without* its initial peers, so the same
 swarm can be published with different bootstrap addresses, while any change of settings makes a new swarm.
+
+Getting a manifest from a file or a URL, and writing one, is swarm/manifest_loading.py's.
 """
 
 from __future__ import annotations
@@ -12,37 +15,28 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
-import os
-import re
-import reprlib
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from multiaddr import Multiaddr
 
-from swarm import PROTOCOL_VERSION, __version__
+from swarm import PROTOCOL_VERSION
 from swarm.errors import ManifestError
-from swarm.secret import SwarmSecret, read_secret
+from swarm.manifest_validation import Fields, shown
+from swarm.secret import SwarmSecret
 
 OPTIMIZERS = ("adamw", "sgd")
 COMPRESSIONS = ("float32", "float16", "8bit")  # of activations and gradients between stages, and of averaging
 AVERAGING_MODES = ("parameters", "diloco", "none")
-MAX_MANIFEST_BYTES = 1_000_000
-URL_TIMEOUT = 15.0  # seconds to fetch a manifest by URL, in all
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # keyword-only: a required field (the shape) may follow one with a default
 class ModelConfig:
     vocab_size: int = 256
-    width: int = 128
-    depth: int = 4
-    heads: int = 4
-    context_length: int = 128
+    width: int  # a manifest must state its model's shape
+    depth: int
+    heads: int
+    context_length: int
     seed: int = 0
 
 
@@ -176,148 +170,8 @@ class Manifest:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
 
-def write_manifest(manifest: Manifest, path: Path) -> None:
-    """Write a manifest atomically (a reader never sees half a file); ManifestError if that is impossible."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(manifest.to_json(), encoding="utf-8")
-        os.replace(temporary, path)
-    except OSError as e:
-        temporary.unlink(missing_ok=True)
-        raise ManifestError(f"cannot write the manifest to {path}: {e.strerror or e}") from None
-
-
-# ---------------------------------------------------------------------------------------------- loading
-
-
-def _shown(value: Any) -> str:
-    """A value as error messages show it: short, whatever it is (an int of 5,000 digits or a list nested 5,000
-    deep cannot even be repr()ed)."""
-    try:
-        return reprlib.repr(value)
-    except (ValueError, RecursionError):
-        return f"a {type(value).__name__} too large to show"
-
-
-def _finite(value: float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int beyond float's range
-        return False
-
-
-def load_manifest(source: str | Path, timeout: float = URL_TIMEOUT) -> Manifest:
-    """Read and validate a manifest from a file or an http(s) URL.
-
-    A URL may carry the swarm id as its fragment (`https://example.org/swarm.json#<swarm id>`): the manifest's
-    content must then hash to it, so that a tampered or outdated copy is refused. Every failure is a
-    ManifestError that says what went wrong, within `timeout` seconds for a URL."""
-    text = str(source)
-    if text.startswith(("http://", "https://")):
-        url, expected_id = _split_swarm_id(text)
-        body = _fetch(url, timeout)
-        try:
-            manifest = parse_manifest(body, origin="the document")
-        except ManifestError as e:
-            raise ManifestError(f"{url} does not hold a valid swarm manifest: {e}") from None
-        if expected_id is not None and manifest.swarm_id != expected_id:
-            raise ManifestError(
-                f"the manifest at {url} has swarm id {manifest.swarm_id}, but the URL says {expected_id}: it was "
-                "changed since the URL was published (or the URL is wrong); ask the swarm's creator for the "
-                "current URL"
-            )
-        return with_secret(manifest, Path.cwd(), from_url=True)
-    path = Path(source)
-    return with_secret(_load_manifest_file(path), path.parent)
-
-
-def with_secret(manifest: Manifest, base: Path, from_url: bool = False) -> Manifest:
-    """The manifest with its secret loaded, if it names a secret file (a relative path is relative to `base`:
-    the manifest file's folder, or the current folder for a manifest from a URL). A manifest from a URL may
-    name only a file in the current folder or below it: it must not make any file of this machine (a key,
-    say) the swarm's secret."""
-    if not manifest.private:
-        return manifest
-    named = Path(manifest.network.secret_file)
-    if from_url and (named.is_absolute() or ".." in named.parts or str(named).startswith("~")):
-        raise ManifestError(
-            f"network.secret_file {str(named)[:200]!r}: a manifest from a URL may name only a file in the current "
-            "folder (or below it); download the manifest and keep it next to the secret file instead"
-        )
-    path = base / named.expanduser()
-    return dataclasses.replace(manifest, secret=read_secret(path))
-
-
-def _split_swarm_id(url: str) -> tuple[str, str | None]:
-    """(url without fragment, the swarm id its fragment names, if any)."""
-    base, _, fragment = url.partition("#")
-    if not fragment:
-        return base, None
-    swarm_id = fragment.removeprefix("swarm_id=")
-    if not re.fullmatch(r"[0-9a-f]{16}", swarm_id):
-        raise ManifestError(
-            f"the URL's fragment #{fragment[:40]} is not a swarm id (16 hex digits, e.g. #0123456789abcdef); "
-            "drop it or copy the URL again"
-        )
-    return base, swarm_id
-
-
-def _fetch(url: str, timeout: float) -> str:
-    """The body of an HTTP GET, at most MAX_MANIFEST_BYTES, within `timeout` seconds in all."""
-    request = urllib.request.Request(url, headers={"User-Agent": f"swarm/{__version__}", "Accept": "application/json"})
-    deadline = time.monotonic() + timeout
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = b""
-            while len(body) <= MAX_MANIFEST_BYTES:
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                chunk = response.read(65536)
-                if not chunk:
-                    break
-                body += chunk
-    except urllib.error.HTTPError as e:
-        raise ManifestError(
-            f"could not get the manifest: the server at {url} answered HTTP {e.code} ({e.reason}); check the URL"
-        ) from None
-    except TimeoutError:
-        raise ManifestError(
-            f"could not get the manifest: {url} did not answer within {timeout:g} seconds; check the URL and "
-            "that the server is up"
-        ) from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        if isinstance(reason, TimeoutError):
-            raise ManifestError(
-                f"could not get the manifest: {url} did not answer within {timeout:g} seconds; check the URL and "
-                "that the server is up"
-            ) from None
-        raise ManifestError(f"could not get the manifest from {url}: {reason}; check the URL") from None
-    if len(body) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{url} sent more than {MAX_MANIFEST_BYTES} bytes; that is not a manifest")
-    try:
-        return body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ManifestError(f"{url} did not send text (not UTF-8); that is not a manifest") from None
-
-
-def _load_manifest_file(path: Path) -> Manifest:
-    """Read and validate a manifest file."""
-    try:
-        if path.stat().st_size > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES} bytes; is it really a manifest?")
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ManifestError(f"manifest file {path} does not exist; pass the path or URL of a swarm manifest") from None
-    except IsADirectoryError:
-        raise ManifestError(f"{path} is a folder; pass the path or URL of a swarm manifest") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ManifestError(f"cannot read manifest {path}: {e}") from None
-    return parse_manifest(text, origin=str(path))
-
-
 def parse_manifest(text: str, origin: str = "manifest") -> Manifest:
+    """Validate a manifest given as JSON text; `origin` names it in the error if the text is not JSON."""
     try:
         raw = json.loads(text)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, integers of thousands of digits, deep nesting
@@ -326,9 +180,10 @@ def parse_manifest(text: str, origin: str = "manifest") -> Manifest:
 
 
 def manifest_from_dict(raw: Any) -> Manifest:
-    """Validate a decoded manifest; raise ManifestError naming the first bad field."""
-    obj = _Fields(raw, "manifest")
-    version = obj.integer("protocol_version", default=PROTOCOL_VERSION, minimum=1)
+    """Validate a decoded manifest; raise ManifestError naming the first bad field. A missing field takes its
+    dataclass field's default."""
+    obj = Fields(raw, "manifest", Manifest)
+    version = obj.integer("protocol_version", minimum=1)
     if version != PROTOCOL_VERSION:
         raise ManifestError(
             f"manifest field 'protocol_version': this Swarm speaks protocol {PROTOCOL_VERSION}, the manifest "
@@ -336,14 +191,14 @@ def manifest_from_dict(raw: Any) -> Manifest:
         )
     name = obj.string("name")
 
-    m = obj.section("model")
+    m = obj.section("model", ModelConfig)
     model = ModelConfig(
-        vocab_size=m.integer("vocab_size", default=256, minimum=2, maximum=1_000_000),
+        vocab_size=m.integer("vocab_size", minimum=2, maximum=1_000_000),
         width=m.integer("width", minimum=1, maximum=65536),
         depth=m.integer("depth", minimum=1, maximum=1024),
         heads=m.integer("heads", minimum=1, maximum=1024),
         context_length=m.integer("context_length", minimum=1, maximum=1_000_000),
-        seed=m.integer("seed", default=0, minimum=0, maximum=2**63 - 1),
+        seed=m.integer("seed", minimum=0, maximum=2**63 - 1),
     )
     m.no_unknown()
     if model.width % model.heads != 0:
@@ -353,73 +208,67 @@ def manifest_from_dict(raw: Any) -> Manifest:
 
     stages = _parse_stages(obj.section("stages"), model.depth)
 
-    t = obj.section("training", optional=True)
-    tt = t.section("timeouts", optional=True)
+    t = obj.section("training", TrainingConfig)
+    tt = t.section("timeouts", Timeouts)
     timeouts = Timeouts(
-        forward=tt.number("forward", default=Timeouts.forward, minimum=0.1),
-        backward=tt.number("backward", default=Timeouts.backward, minimum=0.1),
-        microbatch=tt.number("microbatch", default=Timeouts.microbatch, minimum=0.1),
+        forward=tt.number("forward", minimum=0.1),
+        backward=tt.number("backward", minimum=0.1),
+        microbatch=tt.number("microbatch", minimum=0.1),
     )
     tt.no_unknown()
     training = TrainingConfig(
-        microbatch_size=t.integer("microbatch_size", default=16, minimum=1, maximum=65536),
-        microbatches_per_step=t.integer("microbatches_per_step", default=4, minimum=1, maximum=1_000_000),
-        optimizer=t.choice("optimizer", OPTIMIZERS, default="adamw"),
-        learning_rate=t.number("learning_rate", default=1e-3, minimum=0.0, maximum=100.0),
-        weight_decay=t.number("weight_decay", default=0.01, minimum=0.0, maximum=100.0),
-        # required: clipping bounds what one (possibly hostile) gradient can do to the weights
-        max_grad_norm=t.number("max_grad_norm", default=1.0, minimum=1e-6),
-        max_in_flight=t.integer("max_in_flight", default=TrainingConfig.max_in_flight, minimum=1, maximum=1024),
-        activation_compression=t.choice("activation_compression", COMPRESSIONS, default="float32"),
+        microbatch_size=t.integer("microbatch_size", minimum=1, maximum=65536),
+        microbatches_per_step=t.integer("microbatches_per_step", minimum=1, maximum=1_000_000),
+        optimizer=t.choice("optimizer", OPTIMIZERS),
+        learning_rate=t.number("learning_rate", minimum=0.0, maximum=100.0),
+        weight_decay=t.number("weight_decay", minimum=0.0, maximum=100.0),
+        # clipping bounds what one (possibly hostile) gradient can do to the weights: it cannot be turned off
+        max_grad_norm=t.number("max_grad_norm", minimum=1e-6),
+        max_in_flight=t.integer("max_in_flight", minimum=1, maximum=1024),
+        activation_compression=t.choice("activation_compression", COMPRESSIONS),
         timeouts=timeouts,
     )
     t.no_unknown()
 
-    d = obj.section("data", optional=True)
+    d = obj.section("data", DataConfig)
     data = DataConfig(
-        source=d.string("source", default="stdlib"),
-        heldout_fraction=d.number("heldout_fraction", default=0.05, minimum=0.001, maximum=0.5),
-        shards=d.integer("shards", default=8, minimum=1, maximum=100_000),
+        source=d.string("source"),
+        heldout_fraction=d.number("heldout_fraction", minimum=0.001, maximum=0.5),
+        shards=d.integer("shards", minimum=1, maximum=100_000),
     )
     d.no_unknown()
 
-    n = obj.section("network", optional=True)
-    secret_file = n.string("secret_file") if n.get("secret_file", "") != "" else ""
+    n = obj.section("network", NetworkConfig)
+    secret_file = n.string("secret_file", empty=True)  # "": a public swarm
     if len(secret_file) > 1024 or not secret_file.isprintable():
         raise ManifestError("network.secret_file: must be a path of at most 1024 printable characters")
     network = NetworkConfig(
-        announce_period=n.number("announce_period", default=5.0, minimum=0.2, maximum=600.0),
+        announce_period=n.number("announce_period", minimum=0.2, maximum=600.0),
         secret_file=secret_file,
     )
     n.no_unknown()
 
-    b = obj.section("balancing", optional=True)
+    b = obj.section("balancing", BalancingConfig)
     balancing = BalancingConfig(
-        check_period=b.number("check_period", default=BalancingConfig.check_period, minimum=1.0, maximum=86400.0),
-        min_gain=b.number("min_gain", default=BalancingConfig.min_gain, minimum=0.0, maximum=10.0),
+        check_period=b.number("check_period", minimum=1.0, maximum=86400.0),
+        min_gain=b.number("min_gain", minimum=0.0, maximum=10.0),
     )
     b.no_unknown()
 
-    a = obj.section("averaging", optional=True)
-    defaults = AveragingConfig()
+    a = obj.section("averaging", AveragingConfig)
     averaging = AveragingConfig(
-        mode=a.choice("mode", AVERAGING_MODES, default=defaults.mode),
-        every_samples=a.integer("every_samples", default=defaults.every_samples, minimum=1, maximum=10**12),
-        optimizer_state=a.boolean("optimizer_state", default=defaults.optimizer_state),
-        compression=a.choice("compression", COMPRESSIONS, default=defaults.compression),
-        outer_learning_rate=a.number(
-            "outer_learning_rate", default=defaults.outer_learning_rate, minimum=0.0, maximum=10.0
-        ),
-        outer_momentum=a.number("outer_momentum", default=defaults.outer_momentum, minimum=0.0, maximum=0.999),
-        matchmaking_time=a.number("matchmaking_time", default=defaults.matchmaking_time, minimum=0.5, maximum=600.0),
-        timeout=a.number("timeout", default=defaults.timeout, minimum=1.0, maximum=3600.0),
+        mode=a.choice("mode", AVERAGING_MODES),
+        every_samples=a.integer("every_samples", minimum=1, maximum=10**12),
+        optimizer_state=a.boolean("optimizer_state"),
+        compression=a.choice("compression", COMPRESSIONS),
+        outer_learning_rate=a.number("outer_learning_rate", minimum=0.0, maximum=10.0),
+        outer_momentum=a.number("outer_momentum", minimum=0.0, maximum=0.999),
+        matchmaking_time=a.number("matchmaking_time", minimum=0.5, maximum=600.0),
+        timeout=a.number("timeout", minimum=1.0, maximum=3600.0),
     )
     a.no_unknown()
 
-    peers = obj.get("initial_peers", default=[])
-    if not isinstance(peers, list):
-        raise ManifestError("manifest field 'initial_peers': must be a list of multiaddr strings")
-    initial_peers = tuple(validate_multiaddrs(peers, "initial_peers"))
+    initial_peers = tuple(validate_multiaddrs(obj.array("initial_peers", "multiaddr strings"), "initial_peers"))
     obj.no_unknown()
     return Manifest(
         name=name,
@@ -441,9 +290,9 @@ def even_stages(depth: int, count: int) -> tuple[tuple[int, int], ...]:
     return tuple((bounds[i], bounds[i + 1]) for i in range(count))
 
 
-def _parse_stages(s: _Fields, depth: int) -> tuple[tuple[int, int], ...]:
+def _parse_stages(s: Fields, depth: int) -> tuple[tuple[int, int], ...]:
     count = s.integer("count", minimum=1, maximum=depth)
-    layers = s.get("layers", default=None)
+    layers = s.get("layers", default=None)  # None: an even split
     s.no_unknown()
     if layers is None:
         return even_stages(depth, count)
@@ -460,9 +309,7 @@ def _parse_stages(s: _Fields, depth: int) -> tuple[tuple[int, int], ...]:
             or len(item) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
         ):
-            raise ManifestError(
-                f"manifest field '{where}': must be a pair of integers [start, end), got {_shown(item)}"
-            )
+            raise ManifestError(f"manifest field '{where}': must be a pair of integers [start, end), got {shown(item)}")
         start, end = item
         if start != expected_start:
             raise ManifestError(
@@ -485,95 +332,17 @@ def validate_multiaddrs(values: list[Any], where: str) -> list[str]:
     result = []
     for i, value in enumerate(values):
         if not isinstance(value, str):
-            raise ManifestError(f"manifest field '{where}[{i}]': must be a multiaddr string, got {_shown(value)}")
+            raise ManifestError(f"manifest field '{where}[{i}]': must be a multiaddr string, got {shown(value)}")
         try:
             addr = Multiaddr(value)
         except Exception as e:  # the multiaddr library raises several unrelated types
             raise ManifestError(
-                f"manifest field '{where}[{i}]': {_shown(value)} is not a valid multiaddr ({e})"
+                f"manifest field '{where}[{i}]': {shown(value)} is not a valid multiaddr ({e})"
             ) from None
         if "p2p" not in [p.name for p in addr.protocols()]:
             raise ManifestError(
-                f"manifest field '{where}[{i}]': {_shown(value)} has no /p2p/<peer id> part; copy the full address "
+                f"manifest field '{where}[{i}]': {shown(value)} has no /p2p/<peer id> part; copy the full address "
                 "that swarm-peer printed"
             )
         result.append(str(addr))
     return result
-
-
-class _Fields:
-    """Typed access to one JSON object of the manifest, with errors that name the field."""
-
-    def __init__(self, raw: Any, path: str):
-        self.path = path
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            raise ManifestError(f"{self._name(None)}: must be a JSON object, got {type(raw).__name__}")
-        self.raw = raw
-        self.used: set[str] = set()
-
-    def _name(self, key: str | None) -> str:
-        prefix = "" if self.path == "manifest" else self.path
-        full = key if not prefix else (prefix if key is None else f"{prefix}.{key}")
-        return "manifest" if full is None else f"manifest field '{full}'"
-
-    _MISSING = object()
-
-    def get(self, key: str, default: Any = _MISSING) -> Any:
-        self.used.add(key)
-        if key not in self.raw:
-            if default is _Fields._MISSING:
-                raise ManifestError(f"{self._name(key)}: is required but missing")
-            return default
-        return self.raw[key]
-
-    def section(self, key: str, optional: bool = False) -> _Fields:
-        value = self.get(key, default=None if optional else _Fields._MISSING)
-        sub_path = key if self.path == "manifest" else f"{self.path}.{key}"
-        return _Fields(value, sub_path)
-
-    def string(self, key: str, default: Any = _MISSING) -> str:
-        value = self.get(key, default)
-        if not isinstance(value, str) or not value.strip():
-            raise ManifestError(f"{self._name(key)}: must be a non-empty string, got {_shown(value)}")
-        return value
-
-    def integer(self, key: str, default: Any = _MISSING, minimum: int | None = None, maximum: int | None = None) -> int:
-        value = self.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ManifestError(f"{self._name(key)}: must be an integer, got {_shown(value)}")
-        self._check_range(key, value, minimum, maximum)
-        return value
-
-    def number(
-        self, key: str, default: Any = _MISSING, minimum: float | None = None, maximum: float | None = None
-    ) -> float:
-        value = self.get(key, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not _finite(value):
-            raise ManifestError(f"{self._name(key)}: must be a finite number, got {_shown(value)}")
-        self._check_range(key, value, minimum, maximum)
-        return float(value)
-
-    def boolean(self, key: str, default: Any = _MISSING) -> bool:
-        value = self.get(key, default)
-        if not isinstance(value, bool):
-            raise ManifestError(f"{self._name(key)}: must be true or false, got {_shown(value)}")
-        return value
-
-    def choice(self, key: str, options: tuple[str, ...], default: Any = _MISSING) -> str:
-        value = self.get(key, default)
-        if value not in options:
-            raise ManifestError(f"{self._name(key)}: must be one of {', '.join(options)}, got {_shown(value)}")
-        return value
-
-    def _check_range(self, key: str, value: float, minimum: float | None, maximum: float | None) -> None:
-        if minimum is not None and value < minimum:
-            raise ManifestError(f"{self._name(key)}: must be at least {minimum}, got {_shown(value)}")
-        if maximum is not None and value > maximum:
-            raise ManifestError(f"{self._name(key)}: must be at most {maximum}, got {_shown(value)}")
-
-    def no_unknown(self) -> None:
-        unknown = sorted(set(self.raw) - self.used)
-        if unknown:
-            raise ManifestError(f"{self._name(unknown[0])}: unknown field (misspelled?)")

@@ -164,84 +164,97 @@ class PeerCollector(Collector):
             "failed_microbatch (the trainer dropped a microbatch)"
         )
         if server is not None:
-            stage = server.stage
+            stats = server.stats()
+            stage = stats.stage
             f.gauge("swarm_peer_stage", "The stage this peer serves", stage)
             f.counter(
                 "swarm_stage_samples_served_total",
                 "Samples this peer served for the stage (forward and backward count once)",
-                server.samples_served,
+                stats.samples_served,
                 stage=stage,
             )
             f.counter(
                 "swarm_stage_optimizer_steps_total",
                 "Optimizer steps of the stage's state on this peer, including those taken over with the state",
-                server.optimizer_steps,
+                stats.optimizer_steps,
                 stage=stage,
             )
             f.counter(
                 "swarm_stage_recomputed_forwards_total",
                 "Backward passes that recomputed forward (its activations were gone, e.g. after another peer failed)",
-                server.recomputed_forwards,
+                stats.recomputed_forwards,
                 stage=stage,
             )
             f.gauge(
                 "swarm_stage_outstanding_requests",
                 "Forward and backward requests queued or running on this peer",
-                max(server._pending, 0),  # what the peer announces as `outstanding`
+                stats.outstanding,  # what the peer announces as `outstanding`
                 stage=stage,
             )
-            throughput = server.throughput
             for kind, value, doc in (
                 (
                     "serving",
-                    throughput.serving,
+                    stats.throughput,
                     "Samples per second this peer can serve (the lower of compute and network)",
                 ),
-                ("compute", throughput.compute, "Samples per second this peer's device can compute for the stage"),
-                ("network", throughput.network, "Samples per second this peer's links allow for the stage"),
+                (
+                    "compute",
+                    stats.compute_throughput,
+                    "Samples per second this peer's device can compute for the stage",
+                ),
+                ("network", stats.network_throughput, "Samples per second this peer's links allow for the stage"),
                 (
                     "delivered",
-                    server.delivered.value,
+                    stats.delivered_throughput,
                     "Samples per second this peer served lately (EMA, half-life 30s)",
                 ),
             ):
                 f.gauge(f"swarm_stage_{kind}_throughput_samples_per_second", doc, value, stage=stage)
-            rounds = server.rounds
             f.gauge(
-                "swarm_stage_averaging_round", "Number of the stage's next averaging round", rounds.round, stage=stage
+                "swarm_stage_averaging_round",
+                "Number of the stage's next averaging round",
+                stats.averaging_round,
+                stage=stage,
             )
             f.counter(
                 "swarm_stage_averaging_rounds_total",
                 "Averaging rounds of the stage this peer took part in with at least one other peer",
-                rounds.rounds,
+                stats.averaging_rounds,
                 stage=stage,
             )
             f.gauge(
                 "swarm_stage_averaging_group_size",
                 "Peers in this peer's last averaging round (0: none yet)",
-                rounds.last_group_size,
+                stats.last_group_size,
                 stage=stage,
             )
             f.counter(
                 "swarm_stage_checkpoints_saved_total",
                 "Checkpoints of the stage saved by this peer",
-                server.checkpoints_saved,
+                stats.checkpoints_saved,
                 stage=stage,
             )
-            f.counter("swarm_errors_total", errors_doc, server.bad_requests, kind="bad_request", stage=stage)
-            f.counter("swarm_errors_total", errors_doc, server.busy_replies, kind="busy", stage=stage)
-            f.counter("swarm_errors_total", errors_doc, server.banned_replies, kind="banned", stage=stage)
+            f.counter("swarm_errors_total", errors_doc, stats.bad_requests, kind="bad_request", stage=stage)
+            f.counter("swarm_errors_total", errors_doc, stats.busy_replies, kind="busy", stage=stage)
+            f.counter("swarm_errors_total", errors_doc, stats.banned_replies, kind="banned", stage=stage)
+            f.counter("swarm_stage_bans_total", "Peers this peer banned for bad requests", stats.bans, stage=stage)
             f.counter(
-                "swarm_stage_bans_total", "Peers this peer banned for bad requests", server.bans.total, stage=stage
+                "swarm_errors_total",
+                errors_doc,
+                stats.averaging_rounds_failed,
+                kind="failed_averaging_round",
+                stage=stage,
             )
-            f.counter("swarm_errors_total", errors_doc, rounds.failed, kind="failed_averaging_round", stage=stage)
 
         trainer = self.trainer()
         if trainer is not None:
-            loss, speed = trainer.recent_stats()
-            f.counter("swarm_trainer_samples_total", "Samples this peer's trainer trained on", trainer.samples)
+            trainer_stats = trainer.stats()
+            loss, speed = trainer_stats.loss, trainer_stats.samples_per_second
+            f.counter("swarm_trainer_samples_total", "Samples this peer's trainer trained on", trainer_stats.samples)
             f.counter(
-                "swarm_trainer_microbatches_total", "Microbatches this peer's trainer completed", trainer.microbatches
+                "swarm_trainer_microbatches_total",
+                "Microbatches this peer's trainer completed",
+                trainer_stats.microbatches,
             )
             f.gauge(
                 "swarm_trainer_throughput_samples_per_second",
@@ -250,7 +263,7 @@ class PeerCollector(Collector):
             )
             if loss == loss:  # NaN until a microbatch has completed (in the last 30 seconds): left out, see above
                 f.gauge("swarm_trainer_loss", "Mean training loss of the trainer's microbatches of the last 30 s", loss)
-            unserved = set(trainer.unserved_stages)
+            unserved = set(trainer_stats.unserved_stages)
             for stage in range(rebalancer.manifest.num_stages):
                 f.gauge(
                     "swarm_trainer_stage_unserved",
@@ -259,7 +272,9 @@ class PeerCollector(Collector):
                     stage=stage,
                 )
             # the same labels as the stage's errors; an empty label is the same as none to Prometheus
-            f.counter("swarm_errors_total", errors_doc, trainer.failed_microbatches, kind="failed_microbatch", stage="")
+            f.counter(
+                "swarm_errors_total", errors_doc, trainer_stats.failed_microbatches, kind="failed_microbatch", stage=""
+            )
         return list(f.families.values())
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, A
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
 from swarm.errors import ManifestError
+from swarm.files import atomic_write
 
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
@@ -63,10 +63,7 @@ def _derive(secret: bytes, label: bytes) -> bytes:
 def write_secret(path: Path) -> None:
     """Write a fresh secret (64 hex digits) into `path`, readable by this user only; ManifestError on failure."""
     try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w") as file:
-            file.write(secrets.token_hex(32) + "\n")
-        os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
+        atomic_write(path, secrets.token_hex(32) + "\n", mode=0o600)  # never readable by others, even for a moment
     except OSError as e:
         raise ManifestError(f"cannot write the secret file {path}: {e.strerror or e}") from None
 

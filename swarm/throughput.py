@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from swarm.files import atomic_write
 from swarm.manifest import Manifest
 from swarm.model import StageModel
 
@@ -205,7 +206,7 @@ def read_cached(path: Path, key: str) -> float | None:
 
 
 def write_cached(path: Path, key: str, value: float) -> None:
-    """Add one figure to the cache, atomically (write a temporary file, then rename)."""
+    """Add one figure to the cache, atomically (swarm/files.py); a failure is logged (it is only a cache)."""
     try:
         entries = json.loads(path.read_text()) if path.exists() else {}
         if not isinstance(entries, dict):
@@ -215,9 +216,7 @@ def write_cached(path: Path, key: str, value: float) -> None:
     entries[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
-        temporary.replace(path)
+        atomic_write(path, json.dumps(entries, indent=1, sort_keys=True))
     except OSError as e:
         logger.warning(f"could not write the throughput cache {path}: {e}")
 

@@ -19,7 +19,8 @@ from swarm.averaging import (
     round_payload_bytes,
     swarm_samples_in_round,
 )
-from swarm.manifest import load_manifest, manifest_from_dict
+from swarm.manifest import manifest_from_dict
+from swarm.manifest_loading import load_manifest
 from swarm.model import build_stage
 
 # ------------------------------------------------------------------------------------------- pure logic

@@ -10,12 +10,12 @@ from swarm.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, 
 from swarm.errors import BadRequestError
 from swarm.manifest import manifest_from_dict
 from swarm.model import build_stage
-from swarm.server.stage import StageServer
-from swarm.throughput import Throughput
+from swarm.server.compute import StageCompute
 
 
-def server(manifest, stage=0) -> StageServer:
-    return StageServer(manifest, stage, build_stage(manifest, stage), torch.device("cpu"), "x", Throughput(1, 1))
+def server(manifest, stage=0) -> StageCompute:
+    """A stage's compute, owned by the test (no worker thread: nothing else touches it)."""
+    return StageCompute(manifest, stage, build_stage(manifest, stage), torch.device("cpu"))
 
 
 def trained_state(manifest):
@@ -23,8 +23,8 @@ def trained_state(manifest):
     s = server(manifest)
     for p in s.params:
         p.grad = torch.ones_like(p)
-    s._optimizer_step()
-    return s.state_snapshot()
+    s.optimizer_step()
+    return s.snapshot()
 
 
 def test_a_saved_checkpoint_loads_into_a_fresh_server_exactly(tmp_path):
@@ -37,7 +37,7 @@ def test_a_saved_checkpoint_loads_into_a_fresh_server_exactly(tmp_path):
     assert checkpoint is not None and checkpoint.counters == counters == {"optimizer_steps": 1, "averaging_round": 0}
     fresh = server(manifest)
     fresh.load_state(checkpoint.items, checkpoint.counters)
-    loaded, loaded_counters = fresh.state_snapshot()
+    loaded, loaded_counters = fresh.snapshot()
     assert loaded_counters == counters
     assert [name for name, _ in loaded] == [name for name, _ in items]
     for (_, a), (_, b) in zip(loaded, items):

@@ -11,7 +11,7 @@ import pytest
 
 from peers.init import main as init_main
 from swarm.errors import ManifestError
-from swarm.manifest import load_manifest
+from swarm.manifest_loading import load_manifest
 from swarm.model import build_stage, count_parameters, count_stage_parameters
 from swarm.presets import PRESETS, new_manifest
 

@@ -9,7 +9,8 @@ import pytest
 
 from conftest import ROOT, tiny_manifest_dict
 from swarm.errors import ManifestError
-from swarm.manifest import even_stages, load_manifest, manifest_from_dict, parse_manifest
+from swarm.manifest import Manifest, ModelConfig, even_stages, manifest_from_dict, parse_manifest
+from swarm.manifest_loading import load_manifest
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
@@ -136,3 +137,29 @@ def test_not_json_and_not_an_object(tmp_path):
     big.write_text(" " * 2_000_000)
     with pytest.raises(ManifestError, match="larger"):
         load_manifest(big)
+
+
+REQUIRED_ONLY = {
+    "name": "bare",
+    "model": {"width": 64, "depth": 2, "heads": 2, "context_length": 32},
+    "stages": {"count": 2},
+}
+
+
+def test_missing_fields_take_exactly_the_dataclass_defaults():
+    # a default stated a second time in the validator, and then changed in one place only, would differ here
+    manifest = manifest_from_dict(REQUIRED_ONLY)
+    expected = Manifest(
+        name="bare", model=ModelConfig(width=64, depth=2, heads=2, context_length=32), stages=even_stages(2, 2)
+    )
+    assert manifest == expected
+    assert manifest.swarm_id == expected.swarm_id  # the JSON form too (1 and 1.0 are equal, but hash apart)
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["name", "model", "model.width", "model.depth", "model.heads", "model.context_length", "stages", "stages.count"],
+)
+def test_required_fields_have_no_default(field):
+    with pytest.raises(ManifestError, match=f"'{field}': is required but missing"):
+        manifest_from_dict(_set(REQUIRED_ONLY, field, _DELETE))

@@ -13,8 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import ROOT, tiny_manifest_dict
+from swarm import PROTOCOL_VERSION
 from swarm.errors import ManifestError
-from swarm.manifest import load_manifest, manifest_from_dict
+from swarm.manifest import manifest_from_dict
+from swarm.manifest_loading import load_manifest
 
 GOOD = tiny_manifest_dict()
 OLD_VERSION = {**tiny_manifest_dict(), "protocol_version": 1}
@@ -84,7 +86,7 @@ def test_a_manifest_loads_by_url_and_is_checked_against_the_swarm_id_in_the_url(
         ("/broken", "answered HTTP 500"),
         ("/page.html", "does not hold a valid swarm manifest: the document is not valid JSON"),
         ("/other.json", "does not hold a valid swarm manifest: manifest field 'name'"),
-        ("/old.json", "speaks protocol 3, the manifest asks for 1"),
+        ("/old.json", f"speaks protocol {PROTOCOL_VERSION}, the manifest asks for 1"),
         ("/binary", "not UTF-8"),
         ("/huge.json", "more than 1000000 bytes"),
     ],

@@ -23,8 +23,9 @@ from swarm.errors import PeerStartError
 from swarm.manifest import manifest_from_dict
 from swarm.metrics import PeerCollector, start_metrics_server
 from swarm.model import build_stage
-from swarm.server.rebalancer import Rebalancer, ServingOptions
-from swarm.server.stage import StageServer
+from swarm.records import PeerState
+from swarm.server.rebalancer import Rebalancer
+from swarm.server.stage import ServingOptions, StageServer
 from swarm.throughput import Throughput
 
 
@@ -179,8 +180,9 @@ def test_metrics_follow_the_peer_from_joining_to_serving():
             current[0] = trainer
             trainer.unserved_stages.add(0)  # no microbatch yet: the loss is NaN
             waiting = await asyncio.to_thread(scrape, metrics.url)
-            rebalancer.server, server.state = server, "online"
-            server.samples_served, server.bad_requests, server.rounds.failed = 64, 3, 1
+            rebalancer.server, server.state = server, PeerState.ONLINE
+            server.worker.counters.samples_served, server.admission.bad_requests = 64, 3
+            server.round_counters.failed = 1
             trainer.unserved_stages.clear()
             trainer.samples, trainer.failed_microbatches = 8, 2
             trainer.recent.append((time.monotonic(), 2.5, 8))

@@ -18,7 +18,8 @@ from conftest import LOOPBACK, tiny_manifest_dict
 from swarm import protocol
 from swarm.client.rpc import call_stage, download_state, fetch_manifest
 from swarm.errors import ManifestError, RemoteStageError
-from swarm.manifest import load_manifest, manifest_from_dict
+from swarm.manifest import manifest_from_dict
+from swarm.manifest_loading import load_manifest
 from swarm.records import fetch_announcements
 from swarm.secret import SecretAuthorizer, SwarmSecret, read_secret, write_secret
 from swarm.server.reachability import check_reachability
@@ -65,7 +66,7 @@ def test_a_manifest_names_the_secret_file_and_never_holds_the_secret(tmp_path):
 
 
 def test_a_manifest_from_a_url_cannot_make_any_file_the_secret(tmp_path):
-    from swarm.manifest import with_secret
+    from swarm.manifest_loading import with_secret
 
     for named in ("/etc/hostname", "../secret", "~/.ssh/id_rsa"):
         manifest = manifest_from_dict(tiny_manifest_dict(network={"secret_file": named}))

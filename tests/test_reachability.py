@@ -14,7 +14,8 @@ import pytest
 from hivemind import DHT
 
 from conftest import LOOPBACK, ROOT, tiny_manifest_dict
-from swarm.manifest import load_manifest, manifest_from_dict
+from swarm.manifest import manifest_from_dict
+from swarm.manifest_loading import load_manifest
 from swarm.records import Announcement, SwarmView, announcement_lifetime, store_announcement
 from swarm.server.reachability import (
     NAMESPACE,

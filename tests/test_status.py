@@ -17,7 +17,8 @@ import pytest
 from conftest import ROOT, tiny_manifest_dict
 from peers.status import main as status_main
 from swarm.health import DEGRADED, HEALTHY, exit_code, find_peer, peer_status, swarm_health
-from swarm.manifest import load_manifest, manifest_from_dict
+from swarm.manifest import manifest_from_dict
+from swarm.manifest_loading import load_manifest
 from swarm.records import Announcement, TrainerReport, announcement_lifetime
 
 NOW = 10_000.0

@@ -14,8 +14,9 @@ from hivemind.proto import runtime_pb2
 
 from swarm import protocol
 from swarm.errors import ManifestError, RemoteStageError, SwarmError
-from swarm.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from swarm.server.stage import NAMESPACE, StageServer
+from swarm.manifest import Manifest, parse_manifest
+from swarm.manifest_loading import MAX_MANIFEST_BYTES
+from swarm.server.service import NAMESPACE, StageService
 from swarm.server.state import STATE_COUNTERS
 from swarm.throughput import PROBE_BYTES, measure_bandwidth
 
@@ -31,7 +32,7 @@ async def call_stage(
     reply_elements: int,
 ) -> runtime_pb2.ExpertResponse:
     """Send one forward or backward request to a stage peer: unary when it fits, by stream otherwise."""
-    stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+    stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
     if not protocol.needs_stream(request.ByteSize(), reply_elements):
         return await getattr(stub, f"rpc_{kind}")(request, timeout=timeout)
 
@@ -54,7 +55,7 @@ async def call_stage(
 
 async def fetch_manifest(p2p: P2P, peer_id: str, timeout: float) -> str:
     """The manifest (JSON text, not yet validated) of the swarm that `peer_id` serves."""
-    stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+    stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
     reply = await asyncio.wait_for(stub.rpc_manifest(runtime_pb2.ExpertRequest(), timeout=timeout), timeout)
     try:
         metadata = protocol.unpack(reply.metadata) if len(reply.metadata) < MAX_MANIFEST_BYTES else None
@@ -85,7 +86,7 @@ async def manifest_from_peer(p2p: P2P, maddr: str) -> Manifest:
 
 async def probe_bandwidth(p2p: P2P, peer_id: str, manifest: Manifest, timeout: float = 20.0) -> tuple[float, float]:
     """(download, upload) bytes per second between this peer and `peer_id`, measured with probe calls."""
-    stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+    stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
 
     async def exchange(upload_bytes: int, download_bytes: int) -> None:
         request = protocol.make_control_request(manifest, manifest.proof(str(p2p.peer_id)), reply_bytes=download_bytes)
@@ -106,7 +107,7 @@ async def download_state(
     StageServer.load_state; `shapes` are the names it may hold, from swarm.server.state) and its counters
     (optimizer_steps, averaging_round). Raises RemoteStageError on a refusal or a malformed reply."""
     max_bytes = sum(4 * math.prod(shape) for shape in shapes.values()) + 64 * len(shapes) + 65536
-    stub = StageServer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+    stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
     request = protocol.make_control_request(manifest, manifest.proof(str(p2p.peer_id)), stage=stage)
 
     async def one_request() -> AsyncIterator[runtime_pb2.ExpertRequest]:

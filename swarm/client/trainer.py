@@ -33,7 +33,8 @@ from swarm.errors import MicrobatchFailedError, RemoteStageError
 from swarm.manifest import Manifest
 from swarm.records import SwarmView, TrainerReport, announceable, announcement_lifetime, store_trainer_report
 from swarm.routing import Router, online_peers
-from swarm.server.stage import StageServer, Traffic
+from swarm.server.stage import StageServer
+from swarm.stats import Traffic, TrainerStats
 
 logger = logging.getLogger(__name__)
 
@@ -312,6 +313,17 @@ class Trainer:
         loss = float(np.mean([r[1] for r in self.recent]))
         span = max(now - self.recent[0][0], 1.0)
         return loss, sum(r[2] for r in self.recent) / span
+
+    def stats(self) -> TrainerStats:
+        loss, speed = self.recent_stats()
+        return TrainerStats(
+            loss=loss,
+            samples_per_second=speed,
+            samples=self.samples,
+            microbatches=self.microbatches,
+            failed_microbatches=self.failed_microbatches,
+            unserved_stages=tuple(sorted(self.unserved_stages)),
+        )
 
     async def _report_forever(self) -> None:
         period = self.manifest.network.announce_period

@@ -1,0 +1,345 @@
+"""The served stage's model and everything that changes with it, owned by one worker thread.
+
+`StageCompute` holds the model, its optimizer, the weight stash, the activation cache, gradient accumulation
+and, when the stage averages, the StageAverager's local part (which reads and writes the same tensors).
+`StageWorker` owns a StageCompute and the single thread that may touch it: the only way in is
+`await worker.run(fn)`, which runs `fn(compute)` in that thread, between two requests. So requests never race
+on the weights, a state snapshot's parameters and statistics always match, and the event loop stays free.
+
+The counters others read while the worker runs (samples served, optimizer steps, ...) are in `ComputeCounters`,
+an object of its own: the worker writes them, anyone may read them (a read may be one request old).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from swarm import protocol
+from swarm.averaging import StageAverager
+from swarm.errors import BadRequestError
+from swarm.manifest import Manifest
+from swarm.model import StageModel
+from swarm.server.state import (
+    load_state_tensors,
+    make_optimizer,
+    outer_state_shapes,
+    state_tensors,
+    trainable_parameters,
+)
+from swarm.throughput import FORWARD_SHARE, SimulatedSpeed
+
+ACTIVATION_CACHE_BYTES = 1 << 30
+T = TypeVar("T")
+
+
+class WrongStageError(Exception):
+    """A request for another stage than the one this peer serves (it has moved, or the caller's view is old)."""
+
+
+class UnknownMicrobatchError(Exception):
+    """Backward for a microbatch whose forward is not cached here, sent without inputs to recompute it."""
+
+
+@dataclass
+class ComputeCounters:
+    """Written by the worker thread only; read by anyone (announcements, status lines, metrics, rounds)."""
+
+    samples_served: int = 0
+    optimizer_steps: int = 0
+    recomputed_forwards: int = 0  # backward passes that had to recompute forward (no usable activations)
+    averaging_round: int = 0  # number of the stage's next round; travels with the state (see server/rounds.py)
+
+
+@dataclass
+class _CachedForward:
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    weights: list[torch.Tensor]  # the weights forward ran with (stashed), so backward uses the same ones
+    created: float
+
+
+class StageCompute:
+    def __init__(
+        self,
+        manifest: Manifest,
+        stage: int,
+        model: StageModel,
+        device: torch.device,
+        simulated: SimulatedSpeed | None = None,
+    ):
+        self.manifest, self.stage, self.device = manifest, stage, device
+        self.model = model.to(device)
+        self.simulated = simulated  # testing aid: emulate a slower device
+        self.first, self.last = stage == 0, stage == manifest.num_stages - 1
+        named = trainable_parameters(self.model)
+        self.param_names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.optimizer = make_optimizer(manifest, self.params)
+        self.averager: StageAverager | None = None  # attached when the stage averages (server/rounds.py)
+        self.counters = ComputeCounters()
+        self.weights_version = 0  # bumps whenever the weights change: stashes of older versions are stale
+        self.backward_passes = 0  # since the last optimizer step
+        self._cache: OrderedDict[tuple[str, str], _CachedForward] = OrderedDict()
+        self._stash: list[torch.Tensor] = []  # a copy of the current weights that optimizer steps never modify
+        self._stash_version = -1
+        self._max_cached = max(8, ACTIVATION_CACHE_BYTES // _activation_bytes_estimate(manifest, stage))
+
+    # ----------------------------------------------------------------------------------- requests
+
+    def process(self, kind: str, req: protocol.StageRequest, caller: str) -> list[torch.Tensor]:
+        """Forward or backward of one decoded request; raises BadRequestError, WrongStageError or
+        UnknownMicrobatchError for requests it cannot serve (nothing changes then)."""
+        if req.stage != self.stage:
+            raise WrongStageError(f"this peer serves stage {self.stage} now, not stage {req.stage}")
+        self._forget_stale_forwards()
+        begin = time.perf_counter()
+        outputs = self._forward(req, caller) if kind == "forward" else self._backward(req, caller)
+        if self.simulated is not None:
+            full = kind == "forward" and self.last and req.train  # the last stage runs backward too
+            share = 1.0 if full else FORWARD_SHARE if kind == "forward" else 1.0 - FORWARD_SHARE
+            self.simulated.pad(begin, req.tensors[0].shape[0], share)
+        return outputs
+
+    def _forward(self, req: protocol.StageRequest, caller: str) -> list[torch.Tensor]:
+        expected = 2 if self.last else 1
+        if len(req.tensors) != expected:
+            what = "[inputs, targets]" if self.last else "[inputs]"
+            raise BadRequestError(f"forward of stage {self.stage} takes {what}, got {len(req.tensors)} tensors")
+        inputs = req.tensors[0]
+        protocol.check_inputs(inputs, self.manifest, self.stage)
+        if self.last:
+            protocol.check_targets(req.tensors[1], inputs, self.manifest.model.vocab_size)
+        x = inputs.to(self.device)
+
+        if not req.train:
+            with torch.no_grad():
+                out = self.model(x)
+                if self.last:
+                    return [StageModel.loss(out, req.tensors[1].to(self.device)).float().cpu()]
+                return [out.float().cpu()]
+
+        if not self.first:
+            x.requires_grad_(True)
+        if self.last:  # the last stage runs backward at once and returns the gradient of its inputs
+            loss = StageModel.loss(self.model(x), req.tensors[1].to(self.device))
+            grads = self._gradients(loss, x, None, self.params)
+            self.counters.samples_served += inputs.shape[0]
+            result = [loss.detach().float().cpu()]
+            return result if self.first else result + [grads.cpu()]
+        weights = self._stashed_weights()
+        out = self._run(x, weights)
+        self._remember(caller, req.microbatch_id, x, out, weights)
+        return [out.detach().float().cpu()]
+
+    def _backward(self, req: protocol.StageRequest, caller: str) -> list[torch.Tensor]:
+        if self.last:
+            raise BadRequestError("the last stage runs backward within forward; do not send it backward")
+        if len(req.tensors) not in (1, 2):
+            raise BadRequestError(f"backward takes [grad_outputs] or [grad_outputs, inputs], got {len(req.tensors)}")
+        grad = req.tensors[0]
+        key = (caller, req.microbatch_id)
+        cached = self._cache.get(key)
+        if cached is not None:
+            protocol.check_grad(grad, tuple(cached.outputs.shape))  # a bad gradient leaves the activations cached
+            del self._cache[key]
+            x, out, weights = cached.inputs, cached.outputs, cached.weights
+        else:
+            # No activations here (evicted, or this peer did not run the microbatch's forward, e.g. because that
+            # peer failed): recompute forward with the current weights from the inputs sent along.
+            if len(req.tensors) != 2:
+                raise UnknownMicrobatchError(
+                    f"no forward of microbatch {req.microbatch_id} is cached here; resend backward with its inputs"
+                )
+            inputs = req.tensors[1]
+            protocol.check_inputs(inputs, self.manifest, self.stage)
+            batch, length = inputs.shape[:2]
+            protocol.check_grad(grad, (batch, length, self.manifest.model.width))
+            self.counters.recomputed_forwards += 1
+            x = inputs.to(self.device)
+            if not self.first:
+                x.requires_grad_(True)
+            weights = self._stashed_weights()
+            out = self._run(x, weights)
+        grad_inputs = self._gradients(out, x, grad.to(self.device), weights)
+        self.counters.samples_served += x.shape[0]
+        return [] if self.first else [grad_inputs.cpu()]
+
+    def _stashed_weights(self) -> list[torch.Tensor]:
+        """The current weights, as tensors that later optimizer steps leave alone (weight stashing).
+
+        Forward runs with these and keeps them in its graph, so its backward computes exact gradients even if
+        optimizer steps happened in between, instead of recomputing forward. One copy per weights version.
+        """
+        if self._stash_version != self.weights_version:
+            self._stash = [p.detach().clone().requires_grad_(True) for p in self.params]
+            self._stash_version = self.weights_version
+        return self._stash
+
+    def _run(self, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(self.model, dict(zip(self.param_names, weights)), (x,))
+
+    def _gradients(
+        self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None, weights: list[torch.Tensor]
+    ) -> torch.Tensor | None:
+        """Gradients of the stage's parameters (accumulated) and of its input (returned).
+
+        Gradients are computed into new tensors and checked before they touch the accumulators, so a request
+        that produces NaN or Inf never changes the weights.
+        """
+        wrt = list(weights) + ([] if self.first else [x])
+        grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
+        if not all(g is None or protocol.all_finite(g) for g in grads):
+            raise BadRequestError("the request produced non-finite gradients; it was not applied")
+        scale = 1.0 / self.manifest.training.microbatches_per_step
+        for param, g in zip(self.params, grads[: len(self.params)]):
+            if g is None:
+                continue
+            if param.grad is None:
+                param.grad = g * scale
+            else:
+                param.grad.add_(g, alpha=scale)
+        self.backward_passes += 1
+        if self.backward_passes >= self.manifest.training.microbatches_per_step:
+            self.optimizer_step()
+        return None if self.first else grads[-1]
+
+    def optimizer_step(self) -> None:
+        try:
+            if self.manifest.training.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.manifest.training.max_grad_norm)
+            self.optimizer.step()
+            self.counters.optimizer_steps += 1
+        finally:  # even if the step failed: one bad step must not make every later backward fail again
+            self.optimizer.zero_grad(set_to_none=True)
+            self.backward_passes = 0
+            self.weights_version += 1
+
+    def _remember(
+        self, caller: str, microbatch_id: str, x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor]
+    ) -> None:
+        key = (caller, microbatch_id)
+        self._cache[key] = _CachedForward(x, out, weights, time.monotonic())
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._max_cached:
+            self._cache.popitem(last=False)
+
+    def _forget_stale_forwards(self) -> None:
+        """Drop activations whose microbatch deadline has passed: their trainer has given up on them."""
+        now = time.monotonic()
+        while (
+            self._cache and now - next(iter(self._cache.values())).created > self.manifest.training.timeouts.microbatch
+        ):
+            self._cache.popitem(last=False)
+
+    # -------------------------------------------------------------------------------------- state
+
+    def snapshot(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
+        """The stage's state as named CPU tensors (layout: server/state.py), and its counters."""
+        items = state_tensors(self.param_names, self.params, self.optimizer)
+        if self.averager is not None:
+            items += self.averager.outer_state()
+        counters = {"optimizer_steps": self.counters.optimizer_steps, "averaging_round": self.counters.averaging_round}
+        return items, counters
+
+    def load_state(self, items: list[tuple[str, torch.Tensor]], counters: dict[str, int]) -> None:
+        """Take over a stage's state downloaded from another peer or read from a checkpoint. Raises
+        BadRequestError, leaving everything untouched, if the state does not fit."""
+        outer = {name: tensor for name, tensor in items if name.startswith("outer/")}
+        shapes = outer_state_shapes(self.manifest, {n: tuple(p.shape) for n, p in zip(self.param_names, self.params)})
+        for name, tensor in outer.items():
+            if name not in shapes:
+                raise BadRequestError(f"the state holds {name[:200]!r}, which this stage does not have")
+            if tuple(tensor.shape) != shapes[name] or tensor.dtype != torch.float32 or not protocol.all_finite(tensor):
+                raise BadRequestError(f"state tensor {name!r} is not a finite float32 tensor of {list(shapes[name])}")
+        load_state_tensors(
+            [item for item in items if item[0] not in outer], self.param_names, self.params, self.optimizer
+        )
+        if self.averager is not None:
+            self.averager.load_outer_state(outer)
+        self.counters.optimizer_steps = counters.get("optimizer_steps", 0)
+        self.counters.averaging_round = counters.get("averaging_round", 0)
+        self.weights_version += 1
+
+    # ---------------------------------------------------------------------------------- averaging
+
+    def begin_round(self) -> None:
+        assert self.averager is not None
+        self.averager.begin_round()
+
+    def finish_round(self, averaged: bool, alone: bool) -> None:
+        """Apply a round (raises AveragingError if its result is refused); forwards from now on use the new
+        weights."""
+        assert self.averager is not None
+        if self.averager.finish_round(averaged, alone):
+            self.weights_version += 1
+
+    def set_round(self, number: int) -> None:
+        """The number of the stage's next round (it travels with the state, so it changes in this thread)."""
+        self.counters.averaging_round = number
+
+
+class StageWorker:
+    """The one thread that touches a StageCompute. Every access goes through `run`."""
+
+    def __init__(self, compute: StageCompute):
+        self._compute = compute
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{compute.stage}")
+        self.counters = compute.counters  # readable by anyone; written by the worker only
+        self.seconds_per_request = 0.0  # EMA of the worker's time per request (0 until the first one)
+        self._used = False
+
+    def before_first_task(self, fn: Callable[[StageCompute], T]) -> T:
+        """`fn(compute)` here and now, allowed only before the worker has been given any task (nothing can race
+        then). For what must happen on the main thread: creating a hivemind averager forks a process."""
+        if self._used:
+            raise RuntimeError("the stage's worker has started: reach the compute through run()")
+        return fn(self._compute)
+
+    async def run(self, fn: Callable[[StageCompute], T]) -> T:
+        """`fn(compute)` in the worker thread, after the work queued before it."""
+        self._used = True
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self._compute)
+
+    def submit(self, fn: Callable[[StageCompute], T]) -> asyncio.Future[T]:
+        """Like `run`, timed as a request, and returns the future at once (a request's slot is freed when the
+        work is done, not when its caller gives up)."""
+        self._used = True
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn)
+
+    def _timed(self, fn: Callable[[StageCompute], T]) -> T:
+        started = time.perf_counter()
+        try:
+            return fn(self._compute)
+        finally:
+            took = time.perf_counter() - started
+            previous = self.seconds_per_request
+            self.seconds_per_request = took if previous == 0 else 0.9 * previous + 0.1 * took
+
+    async def finish(self, timeout: float) -> bool:
+        """Wait, up to `timeout`, for the work in flight; False (and the rest dropped) if it did not finish."""
+        try:
+            finish = asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+            await asyncio.wait_for(finish, timeout=timeout)
+            return True
+        except TimeoutError:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            return False
+
+    def after_shutdown(self) -> StageCompute:
+        """The compute, once `finish` returned True: no thread touches it any more."""
+        return self._compute
+
+
+def _activation_bytes_estimate(manifest: Manifest, stage: int) -> int:
+    """Rough memory of one cached forward: about 20 float activations of [batch, length, width] per layer."""
+    config, training = manifest.model, manifest.training
+    per_layer = 20 * training.microbatch_size * config.context_length * config.width * 4
+    return per_layer * max(1, len(manifest.stage_layers(stage)))

@@ -1,0 +1,115 @@
+"""Where a stage's state comes from when this peer starts serving it: an online peer of the stage (fastest
+first), this peer's own checkpoint when that is further ahead or nobody serves the stage any more, or, when
+neither exists, the seed initialisation. Every outcome is reported as a `state_taken` event."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+
+from swarm.checkpoint import find_checkpoint
+from swarm.client.rpc import download_state
+from swarm.events import Event, EventKind, OnEvent, StateSource
+from swarm.manifest import Manifest
+from swarm.records import Announcement, SwarmView, announcement_lifetime
+from swarm.routing import online_peers
+from swarm.server.rounds import STATE_SOURCES
+from swarm.server.stage import StageServer
+from swarm.server.state import stage_state_shapes
+
+logger = logging.getLogger(__name__)
+
+STATE_DOWNLOAD_TIMEOUT = 120.0
+STATE_ATTEMPTS = 2  # tries per source peer: a download can be cut short (the peer was busy, a stream broke)
+RETRY_PAUSE = 1.0
+
+
+def progress(counters: dict[str, int]) -> tuple[int, int]:
+    """How far a stage's state has come: averaging rounds first (the swarm's clock), then local optimizer steps."""
+    return counters.get("averaging_round", 0), counters.get("optimizer_steps", 0)
+
+
+async def other_online_peers(view: SwarmView, stage: int, peer_id: str) -> list[Announcement]:
+    """Online peers of `stage` other than `peer_id`, as last read from the DHT."""
+    return [a for a in online_peers(await view.stage(stage), get_dht_time()) if a.peer_id != peer_id]
+
+
+class StateTakeover:
+    def __init__(self, manifest: Manifest, p2p: P2P, view: SwarmView, peer_id: str, on_event: OnEvent):
+        self.manifest, self.p2p, self.view, self.peer_id, self.on_event = manifest, p2p, view, peer_id, on_event
+
+    async def into(self, server: StageServer, reason: str) -> bool:
+        """Load the stage's state into `server` (see the module's docstring). True if loaded or started afresh;
+        False if the stage has online peers but none could give its state (and there is no checkpoint)."""
+        stage = server.stage
+        await self.view.all_stages(force=True)
+        sources = self._fastest(await other_online_peers(self.view, stage, self.peer_id))
+        checkpoint = find_checkpoint(server.options.checkpoint_dir, self.manifest, stage)
+        if checkpoint is not None and not sources:
+            # The stage trained before. Its peers' records may have lapsed for a moment (a DHT store that waits on an
+            # unresponsive node): look again for one record lifetime before falling back to an older checkpoint.
+            sources = await self._wait_for_sources(stage)
+        shapes = stage_state_shapes(self.manifest, stage)
+        for source in [s for s in sources for _ in range(STATE_ATTEMPTS)]:
+            try:
+                begin = time.monotonic()
+                items, counters = await download_state(
+                    self.p2p, source.peer_id, self.manifest, stage, shapes, STATE_DOWNLOAD_TIMEOUT
+                )
+                if checkpoint is not None and progress(checkpoint.counters) > progress(counters):
+                    logger.info(f"this peer's checkpoint of stage {stage} is ahead of peer {source.peer_id[-8:]}")
+                    break
+                await server.load_state(items, counters)
+                seconds = time.monotonic() - begin
+                logger.info(
+                    f"took over the state of stage {stage} from peer {source.peer_id[-8:]} "
+                    f"({counters['optimizer_steps']} optimizer steps) in {seconds:.1f}s"
+                )
+                self._report(stage, StateSource.PEER, source.peer_id, counters, seconds, reason)
+                return True
+            except Exception as e:  # a refusal, a timeout or a malformed state: try again, then another
+                logger.warning(f"state download of stage {stage} from {source.peer_id[-8:]} failed: {e!r}")
+                await asyncio.sleep(RETRY_PAUSE)
+        if checkpoint is not None:
+            try:
+                await server.load_state(checkpoint.items, checkpoint.counters)
+                age = (time.time() - checkpoint.saved_at) / 60
+                logger.info(
+                    f"resumed stage {stage} from checkpoint {checkpoint.path} "
+                    f"({checkpoint.optimizer_steps} optimizer steps, saved {age:.1f} min ago)"
+                )
+                self._report(stage, StateSource.CHECKPOINT, "", checkpoint.counters, 0.0, reason)
+                return True
+            except Exception as e:  # it passed the file checks but does not fit this stage's model
+                logger.error(f"checkpoint {checkpoint.path} does not fit stage {stage}: {e}; not loaded")
+        if sources:
+            return False
+        logger.info(f"no online peer serves stage {stage} and no checkpoint of it: starting afresh")
+        self._report(stage, StateSource.FRESH, "", {}, 0.0, reason)
+        return True
+
+    @staticmethod
+    def _fastest(sources: list[Announcement]) -> list[Announcement]:
+        return sorted(sources, key=lambda a: -a.throughput)[:STATE_SOURCES]
+
+    async def _wait_for_sources(self, stage: int) -> list[Announcement]:
+        period = self.manifest.network.announce_period
+        deadline = time.monotonic() + announcement_lifetime(period)
+        while time.monotonic() < deadline:
+            await asyncio.sleep(period)
+            await self.view.all_stages(force=True)
+            if sources := await other_online_peers(self.view, stage, self.peer_id):
+                return self._fastest(sources)
+        return []
+
+    def _report(
+        self, stage: int, source: StateSource, peer_id: str, counters: dict[str, int], seconds: float, reason: str
+    ) -> None:
+        fields = {"stage": stage, "source": str(source), "peer_id": peer_id}
+        fields.update(optimizer_steps=counters.get("optimizer_steps", 0))
+        fields.update(averaging_round=counters.get("averaging_round", 0), seconds=round(seconds, 2), reason=reason)
+        self.on_event(Event(EventKind.STATE_TAKEN, fields))
