@@ -49,8 +49,8 @@ from swarm.client.rpc import call_stage  # noqa: E402
 from swarm.client.trainer import NO_PEER_WAIT  # noqa: E402
 from swarm.errors import RemoteStageError  # noqa: E402
 from swarm.manifest import Manifest  # noqa: E402
-from swarm.server import stage as server  # noqa: E402
-from swarm.server.stage import MAX_PENDING_REQUESTS  # noqa: E402
+from swarm.server import admission  # noqa: E402
+from swarm.server.admission import MAX_PENDING_REQUESTS  # noqa: E402
 
 MEMORY_PERIOD = 0.5  # seconds between two samples of the peer's memory
 PROGRESS_PERIOD = 10.0
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             "concurrency_per_client": args.concurrency,
             "in_flight": args.clients * args.concurrency,
             "queue_limit": MAX_PENDING_REQUESTS,
-            "queue_limit_per_caller": getattr(server, "MAX_PENDING_PER_CALLER", None),  # newer servers have one
+            "queue_limit_per_caller": getattr(admission, "MAX_PENDING_PER_CALLER", None),  # newer servers have one
             "busy_wait_s": args.busy_wait,
             "duration_s": args.duration,
             "stage": stage,

@@ -161,10 +161,12 @@ class PeerFailed(RuntimeError):
     """A peer exited, or did not print what was waited for in time; the message ends with its log's end."""
 
 
-def loopback_args(manifest_path: Path | str, stage: int | None = None, trainer: bool = True) -> list[str]:
+def loopback_args(
+    manifest_path: Path | str, stage: int | None = None, trainer: bool = True, port: int = 0
+) -> list[str]:
     """swarm-peer flags for a peer of a swarm on this machine: joins `manifest_path`, listens on loopback only
-    (a free port), one torch thread, JSON lines; serves `stage` (or chooses one itself if None)."""
-    args = ["--join", str(manifest_path), "--host-maddrs", LOOPBACK, "--threads", "1", "--json"]
+    (at `port`; 0: a free one), one torch thread, JSON lines; serves `stage` (or chooses one itself if None)."""
+    args = ["--join", str(manifest_path), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--threads", "1", "--json"]
     args += [] if stage is None else ["--stage", str(stage)]
     return args + ([] if trainer else ["--no-trainer"])
 

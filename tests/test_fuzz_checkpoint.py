@@ -19,8 +19,7 @@ from fuzzing import CASES, FIRST, MANIFEST, print_case_counts  # noqa: F401
 from swarm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from swarm.errors import BadRequestError
 from swarm.model import build_stage
-from swarm.server.stage import StageServer
-from swarm.throughput import Throughput
+from swarm.server.compute import StageCompute
 
 
 def checkpoint_parts(path: Path) -> tuple[dict, bytes]:
@@ -66,9 +65,9 @@ def mutate_header(header: dict, rng: random.Random) -> dict:
     return header
 
 
-def check_checkpoint_or_error(path: Path, case: str, server: StageServer) -> str:
+def check_checkpoint_or_error(path: Path, case: str, server: StageCompute) -> str:
     """A checkpoint file must load and fit the stage, or raise CheckpointError (file checks) or BadRequestError
-    (StageServer.load_state: it does not fit the model); nothing else."""
+    (StageCompute.load_state: it does not fit the model); nothing else."""
     try:
         checkpoint = load_checkpoint(path, MANIFEST, FIRST)
         server.load_state(checkpoint.items, checkpoint.counters)
@@ -82,11 +81,11 @@ def check_checkpoint_or_error(path: Path, case: str, server: StageServer) -> str
 
 def test_corrupted_checkpoints_raise_the_projects_errors(tmp_path: Path):
     rng = random.Random(13)
-    server = StageServer(MANIFEST, FIRST, build_stage(MANIFEST, FIRST), torch.device("cpu"), "x", Throughput(1, 1))
+    server = StageCompute(MANIFEST, FIRST, build_stage(MANIFEST, FIRST), torch.device("cpu"))  # the test's own
     for p in server.params:  # a step, so that the state holds optimizer statistics too
         p.grad = torch.ones_like(p)
-    server._optimizer_step()
-    items, counters = server.state_snapshot()
+    server.optimizer_step()
+    items, counters = server.snapshot()
     good = save_checkpoint(tmp_path / "good", MANIFEST, FIRST, items, counters)
     whole = good.read_bytes()
     header, body = checkpoint_parts(good)

@@ -45,7 +45,7 @@ from swarm.client.rpc import download_state
 from swarm.errors import BadRequestError
 from swarm.manifest import manifest_from_dict, parse_manifest
 from swarm.server.reachability import NAMESPACE as REACHABILITY_NAMESPACE
-from swarm.server.stage import NAMESPACE, StageServer
+from swarm.server.service import NAMESPACE, StageService
 from swarm.server.state import stage_state_shapes
 
 # one swarm for the whole file, in file order: every test of the file in the same worker process
@@ -74,13 +74,13 @@ def handle_name(servicer: type, namespace: str, method: str) -> str:
     return f"{namespace}::{servicer.__name__}.{method}"
 
 
-FORWARD = handle_name(StageServer, NAMESPACE, "rpc_forward")
-BACKWARD = handle_name(StageServer, NAMESPACE, "rpc_backward")
-FORWARD_STREAM = handle_name(StageServer, NAMESPACE, "rpc_forward_stream")
-BACKWARD_STREAM = handle_name(StageServer, NAMESPACE, "rpc_backward_stream")
-PROBE = handle_name(StageServer, NAMESPACE, "rpc_probe")
-DOWNLOAD_STATE = handle_name(StageServer, NAMESPACE, "rpc_download_state")
-MANIFEST_RPC = handle_name(StageServer, NAMESPACE, "rpc_manifest")
+FORWARD = handle_name(StageService, NAMESPACE, "rpc_forward")
+BACKWARD = handle_name(StageService, NAMESPACE, "rpc_backward")
+FORWARD_STREAM = handle_name(StageService, NAMESPACE, "rpc_forward_stream")
+BACKWARD_STREAM = handle_name(StageService, NAMESPACE, "rpc_backward_stream")
+PROBE = handle_name(StageService, NAMESPACE, "rpc_probe")
+DOWNLOAD_STATE = handle_name(StageService, NAMESPACE, "rpc_download_state")
+MANIFEST_RPC = handle_name(StageService, NAMESPACE, "rpc_manifest")
 CHECK = f"{REACHABILITY_NAMESPACE}::ReachabilityService.rpc_check"
 STAGE_UNARY = (FORWARD, BACKWARD, PROBE)
 # outcomes after which the peer does not count a bad request against the sender
