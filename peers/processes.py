@@ -13,6 +13,7 @@ and events (the moment they happen, with key "event": see swarm/events.py for th
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -136,9 +137,16 @@ def kill_peer(process: subprocess.Popen | PeerProcess, sockets: set[Path] | None
         path.unlink(missing_ok=True)
 
 
+STOPPED = "stopped cleanly"  # what a peer prints once its clean shutdown is done (announced offline, checkpointed)
+EXIT_AFTER_STOPPED = 2.0  # seconds a peer that printed STOPPED gets to exit before it is killed
+
+
 def stop_peers(processes: Sequence[subprocess.Popen | PeerProcess], grace: float = 20.0) -> None:
     """SIGTERM every peer (a clean shutdown: announce offline, checkpoint), wait up to `grace` seconds in all,
-    then kill whatever is left of each."""
+    then kill whatever is left of each. A peer started here (a PeerProcess) that printed that its shutdown is
+    done gets EXIT_AFTER_STOPPED seconds more to exit, not the whole grace: the replicas of a stage stopped
+    together have been seen to hang in their exit after that, until killed."""
+    peers = [p if isinstance(p, PeerProcess) else None for p in processes]
     processes = [_popen(p) for p in processes]
     sockets = [socket_files(p.pid) for p in processes]  # a daemon killed below cannot remove its own
     for process in processes:
@@ -146,11 +154,18 @@ def stop_peers(processes: Sequence[subprocess.Popen | PeerProcess], grace: float
             signal_group(process.pid, signal.SIGCONT)
             process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
+    stopped_at: dict[int, float] = {}  # by pid: when the peer was seen to have printed STOPPED
+    waiting = list(range(len(processes)))
+    while waiting and time.monotonic() < deadline:
+        now = time.monotonic()
+        for k in list(waiting):
+            if processes[k].poll() is not None:
+                waiting.remove(k)
+            elif peers[k] is not None and STOPPED in peers[k].output()[-200:]:
+                if now - stopped_at.setdefault(k, now) >= EXIT_AFTER_STOPPED:
+                    waiting.remove(k)
+        time.sleep(0.05)
     for process, files in zip(processes, sockets):
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
         kill_peer(process, files)
 
 
@@ -217,6 +232,8 @@ class PeerProcess:
         self.process = process
         self.log_path = log_path
         self._data = bytearray()  # the log as read so far
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text = ""  # _data decoded
         self._parsed = 0  # bytes of _data whose complete lines are parsed into _json
         self._json: list[dict[str, Any]] = []
 
@@ -237,14 +254,16 @@ class PeerProcess:
         try:
             with open(self.log_path, "rb") as log:
                 log.seek(len(self._data))
-                self._data += log.read()
+                new = log.read()
         except FileNotFoundError:
-            pass
+            return
+        self._data += new
+        self._text += self._decoder.decode(new)
 
     def output(self) -> str:
         """Everything the peer printed so far."""
         self._read()
-        return self._data.decode(errors="replace")
+        return self._text
 
     def tail(self, chars: int = 3000) -> str:
         return self.output()[-chars:]

@@ -7,8 +7,11 @@ can be killed together, by their group id, whatever a test does.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,11 +30,37 @@ __all__ = ["LOOPBACK", "ROOT", "PeerProcess", "client_dht", "group_alive", "live
 
 def pytest_configure(config):
     # A test run stopped with SIGTERM (e.g. by a time limit) still runs the fixtures' finalizers, which stop
-    # every peer it started.
+    # every peer it started. Under pytest-xdist the controller passes the signal on to its workers (its child
+    # processes), which run the tests and so hold the peers.
     def interrupt(signum, frame):
+        if not hasattr(config, "workerinput"):
+            for pid, fields in processes.live_processes().items():
+                if int(fields[1]) == os.getpid():
+                    try:
+                        os.kill(pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
         raise KeyboardInterrupt(f"received signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
+    # Peers started by the programs under test (swarm-demo's, for one) cache their measured throughput here,
+    # never in the user's cache; the start_peer fixture gives each test its own.
+    if "SWARM_CACHE_DIR" not in os.environ:
+        cache = Path(tempfile.mkdtemp(prefix="swarm-test-cache-"))
+        os.environ["SWARM_CACHE_DIR"] = str(cache)
+        config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow first, the longest first (@pytest.mark.slow(SECONDS): what it takes on a loaded 2-core
+    machine), the others in their order: under pytest-xdist the longest start at once, on different workers,
+    instead of one of them being left for the end."""
+
+    def expected_seconds(item) -> float:
+        slow = item.get_closest_marker("slow")
+        return 0.0 if slow is None else float(slow.args[0]) if slow.args else 15.0
+
+    items.sort(key=lambda item: -expected_seconds(item))
 
 
 def client_dht(maddr: str):

@@ -103,6 +103,7 @@ def start_pair(start_peer, write_manifest, raw, *flags):
     return first, second
 
 
+@pytest.mark.slow(40)
 def test_replicas_trained_on_different_data_converge_and_a_failed_round_is_skipped(start_peer, write_manifest, driver):
     raw = one_stage_swarm(mode="parameters", every_samples=160, compression="float32")
     manifest = manifest_from_dict(raw)
@@ -136,6 +137,7 @@ def test_replicas_trained_on_different_data_converge_and_a_failed_round_is_skipp
         b.signal_group(signal.SIGCONT)
 
 
+@pytest.mark.slow(30)
 def test_a_killed_peer_resumes_from_its_checkpoint_or_from_peers_that_are_ahead(
     start_peer, write_manifest, driver, tmp_path
 ):

@@ -131,6 +131,7 @@ def test_swarm_peer_reports_a_bad_url_in_one_paragraph(server):
 
 
 @pytest.mark.integration
+@pytest.mark.slow(20)
 def test_a_peer_joins_through_another_peers_multiaddr(start_peer, write_manifest):
     first = start_peer(write_manifest(tiny_manifest_dict()), "--stage", "0", "--no-trainer")
     first.wait_for("serving stage 0")
@@ -141,6 +142,7 @@ def test_a_peer_joins_through_another_peers_multiaddr(start_peer, write_manifest
 
 
 @pytest.mark.integration
+@pytest.mark.slow(23)
 def test_joining_through_a_peer_that_is_not_there_or_not_a_swarm_peer_fails_clearly():
     from hivemind import DHT
 
