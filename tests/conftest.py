@@ -63,6 +63,29 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -expected_seconds(item))
 
 
+# Modules whose tests share a running swarm (a module-scoped fixture) and run in file order: under pytest-xdist
+# each is one unit of work, sent whole to one worker. (They are marked xdist_group too, but xdist 3.8's
+# loadgroup renames test ids in a way that pytest 9 ignores, so the marks alone group nothing: see below.)
+SHARED_SWARM_MODULES = {"tests/test_fuzz_rpc.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup as meant: every test a unit of work of its own, but a module in SHARED_SWARM_MODULES one
+    unit (xdist's LoadGroupScheduling groups by an id suffix that its workers set in a private attribute of
+    pytest's items, which pytest 9 no longer reads)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedSwarmScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in SHARED_SWARM_MODULES else nodeid
+
+    return SharedSwarmScheduling(config, log)
+
+
 def client_dht(maddr: str):
     """A DHT client in the test process, joined to the swarm through `maddr` (stop it with .shutdown())."""
     from hivemind import DHT
