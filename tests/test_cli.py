@@ -1,7 +1,7 @@
 """swarm-peer and swarm-demo: bad user input gets a clear one-paragraph error, quickly, never a traceback.
 
-Flags are checked in this process (they are refused before anything starts); manifests, addresses and stages
-the programs meet later are checked by running the programs."""
+Input refused before anything starts (flags, manifests, stages) is checked in this process; what the programs
+meet later (addresses, peers, a demo's run) by running them."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 
 from conftest import ROOT, group_alive, live_processes, tiny_manifest_dict
 from peers.demo import main as demo_main
+from peers.peer import main as peer_main
 from peers.peer import parse_args as peer_parse_args
 
 pytestmark = pytest.mark.integration
@@ -59,21 +60,30 @@ def test_help_shows_examples(capsys):
 
 
 @pytest.mark.parametrize(
-    "manifest,flags,expected",
+    "manifest,flags,expected,process",
     [
-        (None, [], "does not exist"),
-        ({"model": {"heads": 3}}, [], "'model.heads'"),
-        ({}, ["--stage", "7"], "--stage 7"),
-        ({}, ["--host-maddrs", "/ip4/not-an-ip/tcp/0"], "--host-maddrs"),
-        ({"balancing": {"min_gain": -1}}, [], "'balancing.min_gain'"),
+        (None, [], "does not exist", False),
+        ({"model": {"heads": 3}}, [], "'model.heads'", False),
+        ({}, ["--stage", "7"], "--stage 7", False),
+        ({}, ["--host-maddrs", "/ip4/not-an-ip/tcp/0"], "--host-maddrs", True),
+        ({"balancing": {"min_gain": -1}}, [], "'balancing.min_gain'", False),
     ],
     ids=["missing-manifest", "bad-field", "stage-out-of-range", "bad-host-maddr", "bad-balancing"],
 )
-def test_bad_input_gets_a_clear_error(tmp_path, manifest, flags, expected):
+def test_bad_input_gets_a_clear_error(tmp_path, capsys, manifest, flags, expected, process):
+    """A manifest that is missing or bad, or a stage it does not have, is refused before anything starts: in this
+    process (swarm-peer's main()); a bad address as swarm-peer, a process of its own, meets it."""
     path = tmp_path / "m.json"
     if manifest is not None:
         path.write_text(json.dumps(tiny_manifest_dict(**manifest)))
-    code, out, elapsed = run("peers.peer", "--join", str(path), "--no-trainer", *flags)
+    args = ["--join", str(path), "--no-trainer", *flags]
+    if process:
+        code, out, elapsed = run("peers.peer", *args)
+    else:
+        begin = time.monotonic()
+        code = peer_main(args)
+        captured = capsys.readouterr()
+        out, elapsed = captured.out + captured.err, time.monotonic() - begin
     assert code == 2
     assert expected in out
     assert "Traceback" not in out
