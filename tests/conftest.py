@@ -52,9 +52,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked slow first, the longest first (@pytest.mark.slow(SECONDS): what it takes on a loaded 2-core
-    machine), the others in their order: under pytest-xdist the longest start at once, on different workers,
-    instead of one of them being left for the end."""
+    """Tests marked slow first, the longest first (@pytest.mark.slow(SECONDS): what it took in a whole run with
+    pytest-xdist on a busy 2-core machine), the others in their order: the longest start at once, on different
+    workers, instead of one of them being left for the end."""
 
     def expected_seconds(item) -> float:
         slow = item.get_closest_marker("slow")

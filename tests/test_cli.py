@@ -136,7 +136,7 @@ def test_unreachable_initial_peers_fail_fast(tmp_path):
     assert elapsed < 30
 
 
-@pytest.mark.slow(55)
+@pytest.mark.slow(90)
 def test_demo_trains_and_reports_json():
     code, out, elapsed = run("peers.demo", "--duration", "15", "--json", timeout=240, stdout_only=True)
     assert code == 0, out
@@ -174,7 +174,7 @@ def _serving(folder: Path | None) -> int:
     return sum("serving stage" in log.read_text(errors="replace") for log in logs)
 
 
-@pytest.mark.slow(30)
+@pytest.mark.slow(75)
 def test_demo_ctrl_c_stops_every_peer():
     demo = subprocess.Popen(
         [sys.executable, "-m", "peers.demo", "--duration", "300"],

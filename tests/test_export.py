@@ -224,7 +224,7 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.slow(35)
+@pytest.mark.slow(180)
 def test_export_of_a_trained_swarm_matches_its_peers(start_peer, write_manifest, tmp_path):
     from swarm.client.trainer import Trainer
 

@@ -39,7 +39,7 @@ def test_own_address_is_dropped_from_initial_peers():
     assert without_own_address(peers, "QmC") == peers
 
 
-@pytest.mark.slow(15)
+@pytest.mark.slow(50)
 def test_identity_survives_restart_and_cannot_be_shared(start_peer, write_manifest, tmp_path):
     identity = tmp_path / "first.key"
     path = write_manifest(tiny_manifest_dict())

@@ -127,7 +127,7 @@ def test_swarm_peer_reports_a_bad_url_in_one_paragraph(server, capsys):
 
 
 @pytest.mark.integration
-@pytest.mark.slow(20)
+@pytest.mark.slow(25)
 def test_a_peer_joins_through_another_peers_multiaddr(start_peer, write_manifest):
     first = start_peer(write_manifest(tiny_manifest_dict()), "--stage", "0", "--no-trainer")
     first.wait_for("serving stage 0")
@@ -138,7 +138,7 @@ def test_a_peer_joins_through_another_peers_multiaddr(start_peer, write_manifest
 
 
 @pytest.mark.integration
-@pytest.mark.slow(23)
+@pytest.mark.slow(30)
 def test_joining_through_a_peer_that_is_not_there_or_not_a_swarm_peer_fails_clearly():
     from hivemind import DHT
 

@@ -135,7 +135,7 @@ async def check_malformed_requests(p2p, manifest, raw: dict, first, second) -> N
     assert first.process.poll() is None and second.process.poll() is None
 
 
-@pytest.mark.slow(25)
+@pytest.mark.slow(70)
 def test_two_stage_swarm_refuses_malformed_requests_then_trains_and_heldout_loss_falls(start_peer, write_manifest):
     """One swarm for what were two tests: malformed requests get errors and leave the weights unchanged,
     then a trainer trains it and the held-out loss falls; a clean shutdown leaves an offline record."""
@@ -181,7 +181,7 @@ def test_two_stage_swarm_refuses_malformed_requests_then_trains_and_heldout_loss
         dht.shutdown()
 
 
-@pytest.mark.slow(30)
+@pytest.mark.slow(35)
 def test_trainer_survives_sigkill_of_a_replica(start_peer, write_manifest):
     raw = tiny_manifest_dict()
     text = Path(write_manifest({}, "unused.json")).parent / "corpus.txt"
@@ -255,7 +255,7 @@ def test_clean_shutdown_leaves_nothing_behind(start_peer, write_manifest, how):
     assert not leftover, leftover
 
 
-@pytest.mark.slow(19)
+@pytest.mark.slow(70)
 def test_large_activations_go_by_stream(start_peer, write_manifest):
     # 32 x 64 x 512 float32 activations are 4 MiB: more than one unary message may carry
     raw = tiny_manifest_dict(

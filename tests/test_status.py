@@ -194,7 +194,7 @@ def http_folder(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow(60)
+@pytest.mark.slow(160)
 def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder):
     path = write_manifest(tiny_manifest_dict(), "swarm.json")
     # alice's trainer trains all along: as a device 20 times slower (her stage, the last, paces the pipeline), so
