@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from peers.demo import start_peer, stop_peers  # noqa: E402
+from peers.processes import PeerProcess, start_local_peer, stop_peers  # noqa: E402
 from swarm import joining  # noqa: E402
 from swarm.balancing import optimal_assignment  # noqa: E402
 from swarm.manifest import manifest_from_dict  # noqa: E402
@@ -76,7 +74,7 @@ class Run:
         self.name, self.logs = name, logs
         self.manifest_path = logs / f"{name}.json"
         self.manifest_path.write_text(json.dumps(raw))
-        self.peers: list[subprocess.Popen] = []
+        self.peers: list[PeerProcess] = []
         self.speeds: list[float] = []
         self.alive: list[bool] = []
         self.history: list[tuple[float, dict[int, int]]] = []  # (time, trainer samples per live peer)
@@ -84,7 +82,7 @@ class Run:
     def start(self, speed: float, simulated_speed: float, stage: int | None) -> None:
         k = len(self.peers)
         extra = ["--simulated-speed", f"{simulated_speed:.6f}", "--status-every", "1"]
-        self.peers.append(start_peer(self.manifest_path, stage, self.log_path(k), extra=extra))
+        self.peers.append(start_local_peer(self.manifest_path, stage, self.log_path(k), extra=extra))
         self.speeds.append(speed)
         self.alive.append(True)
 
@@ -92,20 +90,14 @@ class Run:
         return self.logs / f"{self.name}-peer{k}.log"
 
     def status(self, k: int) -> dict:
-        latest: dict = {}
-        for line in self.log_path(k).read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    latest = json.loads(line)
-                except json.JSONDecodeError:
-                    pass
-        return latest
+        """The peer's latest JSON status line (not an event)."""
+        lines = self.peers[k].status_lines()
+        return lines[-1] if lines else {}
 
     def check_alive(self) -> None:
         for k, peer in enumerate(self.peers):
-            if self.alive[k] and peer.poll() is not None:
-                tail = self.log_path(k).read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.name}: peer {k} exited with {peer.returncode}:\n{tail}")
+            if self.alive[k] and (code := peer.poll()) is not None:
+                raise RuntimeError(f"{self.name}: peer {k} exited with {code}:\n{peer.tail()}")
 
     def serving(self) -> dict[int, int]:
         """Stage of each live peer that serves one."""
@@ -137,8 +129,8 @@ class Run:
         return totals
 
     def kill(self, k: int) -> None:
-        os.killpg(self.peers[k].pid, signal.SIGKILL)
-        self.peers[k].wait()
+        """SIGKILL the peer's whole group (the peer, its DHT process, its p2pd daemon), as if its machine died."""
+        self.peers[k].kill()
         self.alive[k] = False
 
     def stop(self) -> None:

@@ -24,18 +24,18 @@ per run its wall time, samples, the longest time without a finished microbatch (
 microbatches lost (Trainer.failed_microbatches), the held-out loss of the final model (every live peer's state
 downloaded; the mean over all combinations of one replica per stage), then their relative difference. For the
 run with faults also: every event with its times, and for each restart where the peer took its stage's state
-from (its log), how long until trainers sent it work again, and whether it was behind; the stage outages (no
+from (the state_taken event it prints with --json, swarm/events.py), how long until trainers sent it work again, and whether it was behind; the stage outages (no
 running peer at all); the trainers' bans of peers; the reads of the stages' announcements (through the trainers'
 DHT node, once a second) that missed a peer which was serving; and per stage whether progress was lost.
 
-A restart loses progress if its log says it started afresh after the stage had trained, or if the state it
+A restart loses progress if it started afresh (its event says so) after the stage had trained, or if the state it
 loaded is behind the best one it could have had (in the peers' own order: averaging round, then optimizer steps)
 by more optimizer steps than one peer of the stage made within a checkpoint interval plus two announce periods
 (measured in the run: the "allowance"). The best state is the most advanced replica's that was serving when the
 peer chose (its announcement read before then), else, with no replica up, the peer's own last announcement
 before the kill, which its checkpoint may trail by up to the allowance. The largest drop is reported per stage.
 With --keep-logs the run's folder keeps every peer's log per start, trainers.log (the trainers' INFO log: bans and
-their reasons) and announcements.jsonl (every announcement read).
+their reasons; the trainers' routers count the bans) and announcements.jsonl (every announcement read).
 
 Goals (stated here, not tuned for; the JSON says whether each was met):
   - no stall longer than the configured timeouts (the larger of forward and backward) plus 5 seconds, not
@@ -50,18 +50,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import itertools
 import json
 import logging
 import math
-import os
 import random
 import re
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,16 +70,24 @@ from hivemind.p2p import P2P, PeerID
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import (  # noqa: E402
+    download_parameters,
+    eval_batches,
+    free_ports,
+    online_by_stage,
+    stop_on_sigterm,
+    swarm_heldout_losses,
+    tiny_manifest_dict,
+    wait_online,
+)
 from peers import processes, runtime  # noqa: E402
-from swarm import PROTOCOL_VERSION, joining  # noqa: E402
-from swarm.client.rpc import download_state  # noqa: E402
+from peers.processes import PeerProcess  # noqa: E402
+from swarm import joining  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
-from swarm.data import TextData, heldout_batches  # noqa: E402
-from swarm.export import assemble_full_state, stage_parameters  # noqa: E402
+from swarm.data import TextData  # noqa: E402
 from swarm.manifest import Manifest, manifest_from_dict  # noqa: E402
-from swarm.model import build_full_model  # noqa: E402
 from swarm.records import Announcement, PeerState, announcement_lifetime, fetch_announcements  # noqa: E402
-from swarm.server.state import stage_state_shapes  # noqa: E402
+from swarm.routing import Router  # noqa: E402
 
 CHECKPOINT_EVERY = 10.0  # seconds between a peer's checkpoints
 STATUS_EVERY = 2.0  # seconds between a peer's status lines
@@ -97,24 +101,8 @@ EVAL_BATCHES = 16
 SETTLE = CHECKPOINT_EVERY  # seconds a peer serves (and checkpoints) before a fault may hit it again
 STOP_GRACE = 20.0  # seconds for a peer to stop cleanly at the end
 
-# tests/conftest.py's tiny_manifest_dict() with one layer per stage, averaging on and short timeouts
-MANIFEST = {
-    "name": "churn-benchmark",
-    "protocol_version": PROTOCOL_VERSION,
-    "model": {"vocab_size": 256, "width": 64, "depth": 3, "heads": 2, "context_length": 32, "seed": 0},
-    "stages": {"count": 3},
-    "training": {
-        "microbatch_size": 8,
-        "microbatches_per_step": 1,
-        "learning_rate": 0.003,
-        "max_in_flight": 2,
-        "timeouts": {"forward": 5, "backward": 5, "microbatch": 60},
-    },
-    "data": {"source": "stdlib", "shards": 4},
-    "network": {"announce_period": 1.0},
-    "averaging": {"mode": "parameters", "every_samples": 512, "matchmaking_time": 2.0, "timeout": 15.0},
-    "initial_peers": [],
-}
+# the tests' tiny swarm (5 s timeouts) with averaging on
+AVERAGING = {"mode": "parameters", "every_samples": 512, "matchmaking_time": 2.0, "timeout": 15.0}
 
 
 @dataclasses.dataclass
@@ -162,10 +150,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def benchmark_manifest(stages: int) -> Manifest:
-    raw = json.loads(json.dumps(MANIFEST))
-    raw["model"]["depth"] = stages
-    raw["stages"]["count"] = stages
-    return manifest_from_dict(raw)
+    """The tiny swarm with one layer per stage, and averaging on."""
+    raw = tiny_manifest_dict(name="churn-benchmark", model={"depth": stages}, stages={"count": stages})
+    return manifest_from_dict({**raw, "averaging": AVERAGING})
 
 
 # -------------------------------------------------------------------------------------------- processes
@@ -180,7 +167,8 @@ class Peer:
     folder: Path
     port: int
     peer_id: str
-    process: subprocess.Popen | None = None
+    process: PeerProcess | None = None  # the current start's
+    runs: list[PeerProcess] = dataclasses.field(default_factory=list)  # every start's, in order
     starts: int = 0
     down: bool = False  # killed or stopped by a fault, not yet serving again
     stopped: bool = False  # SIGSTOPped now
@@ -196,20 +184,6 @@ class Peer:
     @property
     def log(self) -> Path:
         return self.folder / f"start{self.starts}.log"
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports that are free on 127.0.0.1 now (all bound at once, so that they differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def make_peers(folder: Path, settings: Settings) -> list[Peer]:
@@ -228,41 +202,33 @@ def make_peers(folder: Path, settings: Settings) -> list[Peer]:
 
 def start_peer(peer: Peer, manifest_path: Path, cache: Path, settings: Settings) -> None:
     peer.starts += 1
-    args = ["--join", str(manifest_path), "--stage", str(peer.stage), "--no-trainer"]
-    args += ["--identity", str(peer.folder / "identity.key"), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{peer.port}"]
+    args = processes.loopback_args(manifest_path, peer.stage, trainer=False, port=peer.port)
+    args += ["--identity", str(peer.folder / "identity.key")]
     args += ["--checkpoint-dir", str(peer.folder / "checkpoints"), "--checkpoint-every", str(CHECKPOINT_EVERY)]
-    args += ["--threads", "1", "--json", "--status-every", str(STATUS_EVERY)]
-    args += ["--duration", str(settings.peer_duration)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_CACHE_DIR": str(cache)}
-    with open(peer.log, "wb") as log:  # the child keeps its own copy of the file descriptor
-        peer.process = subprocess.Popen(
-            [sys.executable, "-m", "peers.peer", *args],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own group: the peer, its DHT process and p2pd die together
-            env=env,
-        )
+    args += ["--status-every", str(STATUS_EVERY), "--duration", str(settings.peer_duration)]
+    # its own group: the peer, its DHT process and p2pd die together
+    peer.process = processes.start_peer(args, peer.log, cache_dir=cache)
+    peer.runs.append(peer.process)
 
 
 def log_text(peer: Peer, start: int | None = None) -> str:
-    path = peer.folder / f"start{start or peer.starts}.log"
-    return path.read_text(errors="replace") if path.exists() else ""
+    """The output of the peer's start number `start` (default: the current one)."""
+    start = start or peer.starts
+    return peer.runs[start - 1].output() if 0 < start <= len(peer.runs) else ""
 
 
 def serving(peer: Peer) -> bool:
     """Whether the peer's current process says it serves its stage; RuntimeError if it exited."""
     if re.search(r"^serving stage \d+", log_text(peer), re.M):
         return True
-    if peer.process is not None and peer.process.poll() is not None:
-        tail = log_text(peer)[-3000:]
-        raise RuntimeError(f"peer {peer.name} exited ({peer.process.returncode}) before serving; its log ends:\n{tail}")
+    if peer.process is not None and (code := peer.process.poll()) is not None:
+        raise RuntimeError(f"peer {peer.name} exited ({code}) before serving; its log ends:\n{peer.process.tail()}")
     return False
 
 
 def signal_group(peer: Peer, sig: int) -> None:
     if peer.process is not None:
-        processes.signal_group(peer.process.pid, sig)  # the session leader's pid is the group id
+        peer.process.signal_group(sig)
 
 
 def kill_peer(peer: Peer) -> None:
@@ -335,7 +301,7 @@ class Swarm:
         self.reads = self.failed_reads = 0  # reads of a stage's announcements
         self.misses: list[tuple[float, str]] = []  # (time, peer): a read without a peer that serves
         self.began = time.monotonic()
-        self.wall_offset = time.time() - self.began  # monotonic + this = unix time (to read the peers' log times)
+        self.wall_offset = time.time() - self.began  # monotonic + this = unix time (to place the peers' events)
 
     def t(self, when: float | None = None) -> float:
         return round((time.monotonic() if when is None else when) - self.began, 1)
@@ -348,11 +314,7 @@ class Swarm:
         first = self.peers[0]
         start_peer(first, self.first_manifest_path, self.cache, self.settings)
         deadline = time.monotonic() + START_TIMEOUT
-        while not re.search(r"^peer \S+ |, peer \w+", log_text(first), re.M):  # its DHT is up
-            serving(first)  # raises if it exited
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the bootstrap peer did not start within {START_TIMEOUT:.0f}s")
-            time.sleep(0.2)
+        first.process.peer_id(START_TIMEOUT)  # its DHT is up (raises if it exited or took too long)
         for peer in self.peers[1:]:
             start_peer(peer, self.manifest_path, self.cache, self.settings)
         while not all(serving(p) for p in self.peers):
@@ -393,11 +355,11 @@ class Swarm:
                         if peer.peer_id not in online:
                             self.misses.append((self.t(now), peer.name))
             for peer in self.peers:
-                if peer.process is not None and not peer.down and peer.process.poll() is not None:
-                    tail = log_text(peer)[-2000:]
+                if peer.process is not None and not peer.down and (code := peer.process.poll()) is not None:
+                    tail = peer.process.tail(2000)
                     peer.crashes.append(tail)
                     peer.down, peer.down_since = True, time.monotonic()
-                    self.say(f"peer {peer.name} exited by itself ({peer.process.returncode}); its log ends:\n{tail}")
+                    self.say(f"peer {peer.name} exited by itself ({code}); its log ends:\n{tail}")
             await asyncio.sleep(POLL_PERIOD)
 
     async def kill(self, peer: Peer) -> dict:
@@ -511,12 +473,25 @@ def merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 # ---------------------------------------------------------------------------------------------- training
 
 
+class CountingRouter(Router):
+    """A trainer's router that counts the bans it gives peers (each failed call bans the peer for a while)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bans = 0
+
+    def failed(self, peer_id: str, now: float) -> float:
+        self.bans += 1
+        return super().failed(peer_id, now)
+
+
 class TimedTrainer(Trainer):
-    """A Trainer that notes when each of its microbatches finished (time.monotonic())."""
+    """A Trainer that notes when each of its microbatches finished (time.monotonic()) and counts its bans."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.finished: list[float] = []
+        self.router = CountingRouter()
 
     def _collect(self, task: asyncio.Task) -> None:
         done = self.microbatches
@@ -536,32 +511,14 @@ def stalls(finished: list[float], outages: list[tuple[float, float]]) -> tuple[f
     return longest, at, longest_served
 
 
-@torch.no_grad()
-def heldout_loss(manifest: Manifest, state: dict[str, torch.Tensor], batches) -> float:
-    model = build_full_model(manifest.model)
-    model.load_state_dict(state, strict=False)  # parameters only (no buffers to restore)
-    model.eval()
-    return float(np.mean([float(model.loss(model(x), y)) for x, y in batches]))
-
-
-async def online_by_stage(dht, manifest: Manifest) -> list[list[Announcement]]:
-    return [
-        [a for a in await fetch_announcements(dht, manifest.swarm_id, s) if a.state == PeerState.ONLINE]
-        for s in range(manifest.num_stages)
-    ]
-
-
 async def drive(swarm: Swarm, dht, events: list[Event], batches) -> dict:
     """Train to the samples (injecting `events`), wait for the faults to end, then evaluate the final model."""
     settings, manifest = swarm.settings, swarm.manifest
     p2p = await dht.replicate_p2p()
     poller = asyncio.create_task(swarm.poll(dht))
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not all(len(s) == settings.replicas for s in await online_by_stage(dht, manifest)):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the peers did not all announce online")
-            await asyncio.sleep(0.5)
+        if not await wait_online(dht, manifest, settings.replicas, START_TIMEOUT):
+            raise RuntimeError("the peers did not all announce online")
         trainers = [
             TimedTrainer(manifest, dht, p2p, f"{dht.peer_id}-trainer{k}", seed=k) for k in range(settings.trainers)
         ]
@@ -596,29 +553,18 @@ async def drive(swarm: Swarm, dht, events: list[Event], batches) -> dict:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 raise task.exception()
         # the final states, from every peer that serves (after one more announcement of each)
-        deadline = time.monotonic() + START_TIMEOUT
-        while not all(len(s) == settings.replicas for s in await online_by_stage(dht, manifest)):
-            if time.monotonic() > deadline:
-                swarm.say("not every peer is online at the end; evaluating those that are")
-                break
-            await asyncio.sleep(0.5)
+        if not await wait_online(dht, manifest, settings.replicas, START_TIMEOUT):
+            swarm.say("not every peer is online at the end; evaluating those that are")
         await asyncio.sleep(manifest.network.announce_period * 1.5)
-        states = []
-        for stage, anns in enumerate(await online_by_stage(dht, manifest)):
-            shapes = stage_state_shapes(manifest, stage)
-            states.append([])
-            for ann in anns:
-                try:
-                    items, _ = await download_state(p2p, ann.peer_id, manifest, stage, shapes, 120)
-                    states[-1].append(stage_parameters(items))
-                except Exception as e:
-                    swarm.say(f"downloading the state of stage {stage} from {ann.peer_id[-8:]} failed: {e!r}")
-            if not states[-1]:
+
+        def failed(stage: int, peer_id: str, error: Exception) -> None:
+            swarm.say(f"downloading the state of stage {stage} from {peer_id[-8:]} failed: {error!r}")
+
+        states = await download_parameters(p2p, manifest, await online_by_stage(dht, manifest), 120, failed)
+        for stage, replicas in enumerate(states):
+            if not replicas:
                 raise RuntimeError(f"no peer of stage {stage} gave its state at the end")
-        losses = [
-            heldout_loss(manifest, assemble_full_state(manifest, list(combination)), batches)
-            for combination in itertools.product(*states)
-        ]
+        losses = swarm_heldout_losses(manifest, states, batches)
         return {
             "trainers": trainers,
             "train_seconds": train_seconds,
@@ -647,33 +593,20 @@ async def report_progress(swarm: Swarm, trainers: list[TimedTrainer], target: in
 # ------------------------------------------------------------------------------------------------ a run
 
 
-TOOK_OVER = re.compile(
-    r"^(\S+) .*took over the state of stage \d+ from peer (\w+) \((\d+) optimizer steps\) in ([\d.]+)s", re.M
-)
-RESUMED = re.compile(r"^(\S+) .*resumed stage \d+ from checkpoint .* \((\d+) optimizer steps", re.M)
-AFRESH = re.compile(r"^(\S+) .*starting afresh", re.M)
+SOURCES = {"peer": "peer", "checkpoint": "checkpoint", "fresh": "afresh"}  # a state_taken event's, as reported
 
 
-def restart_source(text: str) -> tuple[str | None, int | None, str | None, float]:
-    """How a start took its stage's state, from its log: (peer, checkpoint or afresh; the optimizer steps loaded;
-    the log's time of day of that line; seconds the download took before it)."""
-    if match := TOOK_OVER.search(text):
-        return "peer", int(match.group(3)), match.group(1), float(match.group(4))
-    if match := RESUMED.search(text):
-        return "checkpoint", int(match.group(2)), match.group(1), 0.0
-    if match := AFRESH.search(text):
-        return "afresh", 0, match.group(1), 0.0
-    return None, None, None, 0.0
-
-
-def log_time(swarm: Swarm, clock: str, near: float) -> float:
-    """The monotonic time of a peer's log time of day (HH:MM:SS, local time, whole seconds) close to `near`."""
-    hours, minutes, seconds = (int(x) for x in clock.split(":"))
-    wall = datetime.datetime.fromtimestamp(near + swarm.wall_offset)
-    when = wall.replace(hour=hours, minute=minutes, second=seconds, microsecond=0)
-    candidates = [when + datetime.timedelta(days=d) for d in (-1, 0, 1)]  # a restart across midnight
-    best = min(candidates, key=lambda c: abs(c.timestamp() - wall.timestamp()))
-    return best.timestamp() - swarm.wall_offset
+def restart_source(run: PeerProcess) -> tuple[str | None, int | None, float | None, float]:
+    """How a start took its stage's state, from its first state_taken event (swarm/events.py): (peer, checkpoint
+    or afresh; the optimizer steps loaded; the Unix time it had the state; seconds the download from a peer took
+    before then). All None (and 0) if it printed no such event."""
+    taken = run.events("state_taken")
+    if not taken:
+        return None, None, None, 0.0
+    event = taken[0]
+    source = SOURCES.get(event["source"], event["source"])
+    download = float(event.get("seconds", 0.0)) if source == "peer" else 0.0
+    return source, int(event["optimizer_steps"]), float(event["at"]), download
 
 
 def allowance(swarm: Swarm, stage: int) -> int:
@@ -711,16 +644,17 @@ def progress_lost(swarm: Swarm, events: list[Event]) -> dict:
                     sources.append("did not serve" if "restarted_at_s" in record else "not restarted")
                     continue
                 peer = next(p for p in swarm.peers if p.name == record["peer"])
-                source, steps, clock, download = restart_source(log_text(peer, record["start"]))
+                source, steps, taken_at, download = restart_source(peer.runs[record["start"] - 1])
                 sources.append(source)
                 record["source"], record["loaded_steps"] = source, steps
                 if source == "afresh" and trained[stage] > 0:
                     afresh += 1
-                if steps is None or clock is None:
+                if steps is None or taken_at is None:
                     continue
                 served_at = swarm.began + record["serving_again_at_s"]
-                # the log has whole seconds; a replica's announcements read before this are older than its state
-                chose_at = log_time(swarm, clock, served_at) - download - 1.0
+                # when it chose where to take the state from: a replica's announcements read before then are older
+                # than the state it could have taken
+                chose_at = taken_at - swarm.wall_offset - download
                 replicas = [
                     swarm.latest(q, chose_at)
                     for q in swarm.peers
@@ -777,7 +711,7 @@ def peer_warnings(swarm: Swarm) -> dict[str, int]:
 
 def capture_trainer_log(path: Path) -> list[logging.Handler]:
     """The trainers' log, INFO included (their bans of peers, with reasons), into `path`; warnings also to stderr."""
-    logger = logging.getLogger("peers.trainer")
+    logger = logging.getLogger(Trainer.__module__)
     formatter = logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     handlers: list[logging.Handler] = [logging.FileHandler(path), logging.StreamHandler(sys.stderr)]
     handlers[1].setLevel(logging.WARNING)
@@ -790,7 +724,7 @@ def capture_trainer_log(path: Path) -> list[logging.Handler]:
 
 
 def release_trainer_log(handlers: list[logging.Handler]) -> None:
-    logger = logging.getLogger("peers.trainer")
+    logger = logging.getLogger(Trainer.__module__)
     for handler in handlers:
         logger.removeHandler(handler)
         handler.close()
@@ -807,7 +741,7 @@ def run(name: str, workdir: Path, settings: Settings, manifest: Manifest, batche
     trainer_log = capture_trainer_log(folder / "trainers.log")
     try:
         swarm.say(f"{name}: starting {len(swarm.peers)} peers ({settings.stages} stages x {settings.replicas})")
-        logging.getLogger("peers.trainer").info(f"the run began {time.monotonic() - swarm.began:.1f}s ago")
+        logging.getLogger(Trainer.__module__).info(f"the run began {time.monotonic() - swarm.began:.1f}s ago")
         swarm.start()
         swarm.say(f"{name}: every peer serves")
         dht = joining.start_dht([p.maddr for p in swarm.peers], joining.LOOPBACK)
@@ -840,8 +774,7 @@ def run(name: str, workdir: Path, settings: Settings, manifest: Manifest, batche
             peer = next(p.name for p in swarm.peers if p.peer_id == ann.peer_id)
             record = {"t": swarm.t(when), "peer": peer, "expiration": ann.expiration, **ann.to_record()}
             f.write(json.dumps({k: v for k, v in record.items() if k != "maddrs"}) + "\n")
-    bans = (folder / "trainers.log").read_text(errors="replace").count("banning peer")
-    result["trainer_bans"] = bans  # peers.trainer's INFO lines, in trainers.log of the run's folder
+    result["trainer_bans"] = sum(t.router.bans for t in trainers)  # their reasons: trainers.log in the run's folder
     result["dht_reads"] = {
         "total": swarm.reads,
         "failed": swarm.failed_reads,
@@ -957,8 +890,7 @@ def benchmark(args: argparse.Namespace, folder: Path | None = None) -> dict:
     goal was missed."""
     settings = settings_from_args(args)
     manifest = benchmark_manifest(settings.stages)
-    heldout = TextData.load_heldout(manifest.data.source, manifest.data.heldout_fraction)
-    batches = heldout_batches(heldout, EVAL_BATCHES, manifest.training.microbatch_size, manifest.model.context_length)
+    batches = eval_batches(manifest, EVAL_BATCHES)
     workdir = Path(tempfile.mkdtemp(prefix="swarm-churn-", dir=folder))
     try:
         runs = {name: run(name, workdir, settings, manifest, batches, name == "faults") for name in args.runs}
@@ -974,13 +906,9 @@ def benchmark(args: argparse.Namespace, folder: Path | None = None) -> dict:
     return summary
 
 
-def interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"received signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupt)  # a benchmark stopped with SIGTERM still stops its peers
+    stop_on_sigterm()  # a benchmark stopped with SIGTERM still stops its peers
     runtime.setup_logging("WARNING")
     torch.set_num_threads(1)  # the peers need the cores more than the trainers
     print(json.dumps(benchmark(args)))

@@ -39,18 +39,22 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import (  # noqa: E402
+    download_parameters,
+    eval_batches,
+    heldout_loss,
+    online_by_stage,
+    swarm_heldout_losses,
+    wait_online,
+)
 from peers import runtime  # noqa: E402
-from peers.demo import start_peer, stop_peers  # noqa: E402
+from peers.processes import start_local_peer, stop_peers  # noqa: E402
 from swarm import joining  # noqa: E402
-from swarm.client.rpc import download_state  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
-from swarm.data import TextData, heldout_batches, sample_batch  # noqa: E402
-from swarm.export import assemble_full_state, stage_parameters  # noqa: E402
+from swarm.data import TextData, sample_batch  # noqa: E402
 from swarm.manifest import Manifest  # noqa: E402
 from swarm.manifest_loading import load_manifest  # noqa: E402
 from swarm.model import build_full_model, build_stage, count_parameters  # noqa: E402
-from swarm.records import PeerState, fetch_announcements  # noqa: E402
-from swarm.server.state import stage_state_shapes  # noqa: E402
 
 REPLICAS = 2
 EVAL_BATCHES = 16
@@ -58,14 +62,6 @@ EVAL_BATCHES = 16
 
 def shard_data(manifest: Manifest, shard: int) -> np.ndarray:
     return TextData.load(manifest.data.source, manifest.data.heldout_fraction, shard, manifest.data.shards).train
-
-
-@torch.no_grad()
-def heldout_loss(manifest: Manifest, state: dict[str, torch.Tensor], batches) -> float:
-    model = build_full_model(manifest.model)
-    model.load_state_dict(state, strict=False)  # parameters only (no buffers to restore)
-    model.eval()
-    return float(np.mean([float(model.loss(model(x), y)) for x, y in batches]))
 
 
 def single_process(manifest: Manifest, samples: int, batches) -> dict:
@@ -103,7 +99,7 @@ def swarm_run(manifest: Manifest, mode: str, samples: int, batches, workdir: Pat
     try:
         for stage, replica in itertools.product(range(manifest.num_stages), range(REPLICAS)):
             peers.append(
-                start_peer(
+                start_local_peer(
                     path,
                     stage,
                     logs / f"stage{stage}-replica{replica}.log",
@@ -117,20 +113,10 @@ def swarm_run(manifest: Manifest, mode: str, samples: int, batches, workdir: Pat
         dht.shutdown()
 
 
-async def _online(dht, manifest: Manifest) -> list[list]:
-    return [
-        [a for a in await fetch_announcements(dht, manifest.swarm_id, s) if a.state == PeerState.ONLINE]
-        for s in range(manifest.num_stages)
-    ]
-
-
 async def _drive(dht, manifest: Manifest, samples: int, batches) -> dict:
     p2p = await dht.replicate_p2p()
-    deadline = time.monotonic() + 180
-    while not all(len(stage) == REPLICAS for stage in await _online(dht, manifest)):
-        if time.monotonic() > deadline:
-            raise RuntimeError("the swarm's peers did not come online within 3 minutes")
-        await asyncio.sleep(0.5)
+    if not await wait_online(dht, manifest, REPLICAS, timeout=180):
+        raise RuntimeError("the swarm's peers did not come online within 3 minutes")
     trainers = [Trainer(manifest, dht, p2p, f"{dht.peer_id}-trainer{k}", seed=k) for k in range(REPLICAS)]
     begin = time.monotonic()
     stop = asyncio.Event()
@@ -141,17 +127,9 @@ async def _drive(dht, manifest: Manifest, samples: int, batches) -> dict:
 
     # the replicas' final states, and the peers' final counters (after one more announcement)
     await asyncio.sleep(manifest.network.announce_period * 1.5)
-    online = await _online(dht, manifest)
-    states: list[list[dict[str, torch.Tensor]]] = []
-    for stage, anns in enumerate(online):
-        shapes = stage_state_shapes(manifest, stage)
-        states.append(
-            [stage_parameters((await download_state(p2p, a.peer_id, manifest, stage, shapes, 120))[0]) for a in anns]
-        )
-    losses = [
-        heldout_loss(manifest, assemble_full_state(manifest, list(combination)), batches)
-        for combination in itertools.product(*states)
-    ]
+    online = await online_by_stage(dht, manifest)
+    states = await download_parameters(p2p, manifest, online, timeout=120)
+    losses = swarm_heldout_losses(manifest, states, batches)
     distances = [
         sum(float((x[k] - y[k]).norm() ** 2) for k in x) ** 0.5 for x, y in (replicas[:2] for replicas in states)
     ]
@@ -198,8 +176,7 @@ def main() -> None:
     if args.max_in_flight is not None:
         training = dataclasses.replace(manifest.training, max_in_flight=args.max_in_flight)
         manifest = dataclasses.replace(manifest, training=training)
-    heldout = TextData.load_heldout(manifest.data.source, manifest.data.heldout_fraction)
-    batches = heldout_batches(heldout, EVAL_BATCHES, manifest.training.microbatch_size, manifest.model.context_length)
+    batches = eval_batches(manifest, EVAL_BATCHES)
     tokens = args.samples * manifest.model.context_length
     result: dict = {
         "samples": args.samples,

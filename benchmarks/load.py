@@ -28,8 +28,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,16 +41,16 @@ from hivemind.p2p import P2P
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from peers import runtime  # noqa: E402
-from peers.processes import memory_mb, peer_processes, stop_peers  # noqa: E402
+from benchmarks.common import benchmark_manifest, stop_on_sigterm  # noqa: E402
+from peers import processes, runtime  # noqa: E402
+from peers.processes import PeerProcess, memory_mb, peer_processes, stop_peers  # noqa: E402
 from swarm import joining, protocol  # noqa: E402
 from swarm.client.rpc import call_stage  # noqa: E402
 from swarm.client.trainer import NO_PEER_WAIT  # noqa: E402
 from swarm.errors import RemoteStageError  # noqa: E402
-from swarm.manifest import Manifest, manifest_from_dict  # noqa: E402
-from swarm.presets import new_manifest  # noqa: E402
-from swarm.server import stage as server  # noqa: E402
-from swarm.server.stage import MAX_PENDING_REQUESTS  # noqa: E402
+from swarm.manifest import Manifest  # noqa: E402
+from swarm.server import admission  # noqa: E402
+from swarm.server.admission import MAX_PENDING_REQUESTS  # noqa: E402
 
 MEMORY_PERIOD = 0.5  # seconds between two samples of the peer's memory
 PROGRESS_PERIOD = 10.0
@@ -82,44 +80,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_benchmark_manifest(path: str | None) -> Manifest:
-    """The manifest, without initial peers: the peer starts a swarm of its own and contacts nobody."""
-    if path is None:
-        return new_manifest("load-benchmark", "tiny")  # the demo's model
-    return manifest_from_dict({**json.loads(Path(path).read_text()), "initial_peers": []})
-
-
 # ---------------------------------------------------------------------------------------------- the peer
 
 
-def start_peer(manifest_path: Path, stage: int, folder: Path, duration: float) -> subprocess.Popen:
+def start_peer(manifest_path: Path, stage: int, folder: Path, duration: float) -> PeerProcess:
     """A swarm-peer serving `stage`, in its own session (process group), its output in folder/peer.log."""
-    args = ["--join", str(manifest_path), "--stage", str(stage), "--no-trainer"]
-    args += ["--host-maddrs", joining.LOOPBACK[0], "--threads", "1", "--json", "--throughput", "100"]
+    args = processes.loopback_args(manifest_path, stage, trainer=False) + ["--throughput", "100"]
     args += ["--checkpoint-dir", str(folder / "checkpoints"), "--checkpoint-every", "0"]
     args += ["--duration", str(duration + 600)]  # an orphaned peer (this process killed) stops by itself
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_CACHE_DIR": str(folder / "cache")}
-    with open(folder / "peer.log", "wb") as log:  # the child keeps its own copy of the file descriptor
-        return subprocess.Popen(
-            [sys.executable, "-m", "peers.peer", *args],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-        )
-
-
-def wait_for_log(peer: subprocess.Popen, log: Path, pattern: str, timeout: float) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if match := re.search(pattern, log.read_text(errors="replace")):
-            return match
-        if peer.poll() is not None:
-            break
-        time.sleep(0.2)
-    tail = log.read_text(errors="replace")[-3000:]
-    raise RuntimeError(f"the peer did not print {pattern!r} (exit code {peer.poll()}); its log ends:\n{tail}")
+    return processes.start_peer(args, folder / "peer.log", cache_dir=folder / "cache")
 
 
 def peer_cpu_seconds(pgid: int) -> float:
@@ -141,7 +110,7 @@ def sample_memory(pgid: int, samples: list[tuple[float, float]], stop: threading
         stop.wait(MEMORY_PERIOD)
 
 
-def stop_peer(peer: subprocess.Popen, grace: float = 20.0) -> None:
+def stop_peer(peer: PeerProcess, grace: float = 20.0) -> None:
     """SIGTERM (a clean shutdown, which shows whether the peer still stops well after the load), then SIGKILL
     whatever is left of its processes, and remove the socket files a kill leaves."""
     stop_peers([peer], grace)
@@ -318,16 +287,11 @@ def memory_figures(samples: list[tuple[float, float]], start: float, end: float,
     }
 
 
-def peer_log_figures(log: Path) -> dict:
+def peer_log_figures(peer: PeerProcess) -> dict:
     """What the peer itself counted and complained about (its last JSON status line is printed as it stops)."""
-    text = log.read_text(errors="replace")
-    status = {}
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                status = json.loads(line)
-            except json.JSONDecodeError:
-                pass
+    text = peer.output()
+    statuses = peer.status_lines()
+    status = statuses[-1] if statuses else {}
     problems = [line for line in text.splitlines() if re.search(r" (WARNING|ERROR|CRITICAL) |Traceback", line)]
     for line in problems[:10]:
         print(f"peer log: {line[:300]}", file=sys.stderr)
@@ -340,28 +304,23 @@ def peer_log_figures(log: Path) -> dict:
     }
 
 
-def interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"received signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupt)  # a benchmark stopped with SIGTERM still stops its peer
+    stop_on_sigterm()  # a benchmark stopped with SIGTERM still stops its peer
     runtime.setup_logging("WARNING")
     torch.set_num_threads(1)  # the peer needs the cores more than the clients
-    manifest = load_benchmark_manifest(args.manifest)
+    manifest = benchmark_manifest(args.manifest, "load-benchmark")  # default: the tiny preset, the demo's model
     stage = manifest.num_stages - 1  # forward there is forward, backward and an optimizer step: the most work
     folder = Path(tempfile.mkdtemp(prefix="swarm-load-"))
     manifest_path = folder / "manifest.json"
     manifest_path.write_text(manifest.to_json())
-    log = folder / "peer.log"
-    peer: subprocess.Popen | None = None
+    peer: PeerProcess | None = None
     memory: list[tuple[float, float]] = []
     stop_sampling = threading.Event()
     try:
         peer = start_peer(manifest_path, stage, folder, args.duration)
-        wait_for_log(peer, log, r"serving stage", START_TIMEOUT)
-        maddr = wait_for_log(peer, log, r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", 5.0).group(1)
+        peer.wait_for(r"serving stage", START_TIMEOUT)
+        maddr = peer.maddr(5.0)
         before = sum(memory_mb(peer.pid).values())
         sampler = threading.Thread(target=sample_memory, args=(peer.pid, memory, stop_sampling), daemon=True)
         sampler.start()
@@ -381,9 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         stop_sampling.set()
         if peer is not None:
             stop_peer(peer)
-            peer_figures = peer_log_figures(log)  # also when the run failed: its warnings go to stderr
+            peer_figures = peer_log_figures(peer)  # also when the run failed: its warnings go to stderr
         if args.keep_logs:
-            print(f"peer log: {log}", file=sys.stderr)
+            print(f"peer log: {folder / 'peer.log'}", file=sys.stderr)
         else:
             shutil.rmtree(folder, ignore_errors=True)
     end = start + args.duration
@@ -396,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             "concurrency_per_client": args.concurrency,
             "in_flight": args.clients * args.concurrency,
             "queue_limit": MAX_PENDING_REQUESTS,
-            "queue_limit_per_caller": getattr(server, "MAX_PENDING_PER_CALLER", None),  # newer servers have one
+            "queue_limit_per_caller": getattr(admission, "MAX_PENDING_PER_CALLER", None),  # newer servers have one
             "busy_wait_s": args.busy_wait,
             "duration_s": args.duration,
             "stage": stage,

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from peers import runtime  # noqa: E402
-from peers.demo import start_peer, stop_peers  # noqa: E402
+from peers.processes import start_local_peer, stop_peers  # noqa: E402
 from swarm import joining  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.data import TextData, sample_batch  # noqa: E402
@@ -84,7 +84,7 @@ def swarm(manifest_path: Path, samples: int) -> dict:
     keep_logs = logs
     try:
         for stage in range(manifest.num_stages):
-            peers.append(start_peer(path, stage, logs / f"peer{stage}.log", trainer=False))
+            peers.append(start_local_peer(path, stage, logs / f"peer{stage}.log", trainer=False))
 
         async def run() -> dict:
             p2p = await dht.replicate_p2p()

@@ -5,13 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -20,8 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from peers import runtime
-from peers.processes import stop_peers
+from peers import processes, runtime
 from swarm import joining
 from swarm.client.trainer import Trainer
 from swarm.data import TextData, heldout_batches
@@ -77,14 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"swarm-demo: error: {e}", file=sys.stderr)
         return 2
     logs = Path(tempfile.mkdtemp(prefix="swarm-demo-"))
-    peers: list[subprocess.Popen] = []
+    peers: list[processes.PeerProcess] = []
     try:
         summary = asyncio.run(run_demo(args, manifest, dht, logs, peers, console))
     except SwarmError as e:
         print(f"swarm-demo: error: {e}\n(peer logs: {logs})", file=sys.stderr)
         return 1
     finally:
-        stop_peers(peers)
+        processes.stop_peers(peers)
         dht.shutdown()
     if args.keep_logs:
         console.print(f"peer logs: {logs}")
@@ -121,10 +117,11 @@ async def run_demo(
     reachability = ReachabilityService()  # the peers' first contact: it answers their "can you dial me?"
     await reachability.add_p2p_handlers(p2p, namespace=REACHABILITY_NAMESPACE)
     for k in range(args.peers):
-        peers.append(start_peer(manifest_path, k % manifest.num_stages, logs / f"peer{k}.log"))
+        # its own session: Ctrl-C reaches only the demo, which then stops every peer cleanly
+        peers.append(processes.start_local_peer(manifest_path, k % manifest.num_stages, logs / f"peer{k}.log"))
     try:
         with console.status("starting peers (each loads torch and hivemind, joins the DHT, measures itself)..."):
-            await wait_until_served(dht, manifest, peers, logs, stop, timeout=120)
+            await wait_until_served(dht, manifest, peers, stop, timeout=120)
         if stop.is_set():
             return None
 
@@ -145,7 +142,7 @@ async def run_demo(
                     await asyncio.wait_for(stop.wait(), timeout=2)
                 except TimeoutError:
                     pass
-                check_peers_alive(peers, logs)
+                check_peers_alive(peers)
                 reports = await fetch_trainer_reports(dht, manifest.swarm_id)
                 if reports:
                     samples = sum(r.samples for r in reports)
@@ -206,32 +203,10 @@ def evaluate_fresh_model(manifest: Manifest, batches: list) -> float:
     return sum(losses) / len(losses)
 
 
-def start_peer(
-    manifest_path: Path, stage: int | None, log_path: Path, trainer: bool = True, extra: Sequence[str] = ()
-) -> subprocess.Popen:
-    """Start a swarm-peer process on loopback (serving `stage`, or choosing one itself if None)."""
-    args = ["--join", str(manifest_path), "--host-maddrs", joining.LOOPBACK[0]]
-    args += [] if stage is None else ["--stage", str(stage)]
-    args += ["--threads", "1", "--status-every", "5", "--log-level", "WARNING", "--json"]
-    args += [] if trainer else ["--no-trainer"]
-    if "--checkpoint-dir" not in extra:  # a demo starts from scratch: never resume from an earlier run's state
-        args += ["--checkpoint-dir", str(log_path.parent / "checkpoints")]
-    args += list(extra)
-    # Its own session: Ctrl-C reaches only the demo, which then stops every peer cleanly.
-    with open(log_path, "wb") as log:  # the child keeps its own copy of the file descriptor
-        return subprocess.Popen(
-            [sys.executable, "-m", "peers.peer", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-
-
-async def wait_until_served(dht: DHT, manifest: Manifest, peers: list, logs: Path, stop: asyncio.Event, timeout: float):
+async def wait_until_served(dht: DHT, manifest: Manifest, peers: list, stop: asyncio.Event, timeout: float):
     deadline = time.monotonic() + timeout
     while not stop.is_set():
-        check_peers_alive(peers, logs)
+        check_peers_alive(peers)
         online = [
             sum(a.state == PeerState.ONLINE for a in await fetch_announcements(dht, manifest.swarm_id, s))
             for s in range(manifest.num_stages)
@@ -243,11 +218,10 @@ async def wait_until_served(dht: DHT, manifest: Manifest, peers: list, logs: Pat
         await asyncio.sleep(0.5)
 
 
-def check_peers_alive(peers: list[subprocess.Popen], logs: Path) -> None:
+def check_peers_alive(peers: list[processes.PeerProcess]) -> None:
     for k, peer in enumerate(peers):
-        if peer.poll() is not None:
-            tail = (logs / f"peer{k}.log").read_text(errors="replace")[-2000:]
-            raise SwarmError(f"peer {k} exited with code {peer.returncode}; the end of its log:\n{tail}")
+        if (code := peer.poll()) is not None:
+            raise SwarmError(f"peer {k} exited with code {code}; the end of its log:\n{peer.tail(2000)}")
 
 
 def print_summary(console: Console, summary: dict) -> None:

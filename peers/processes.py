@@ -1,22 +1,35 @@
 """swarm-peer processes seen from outside, for the programs that start them (swarm-demo, the benchmarks, the
-tests): which processes belong to a peer, their memory and socket files, and stopping or killing a peer whole.
+tests): starting a peer, waiting for what it prints (a pattern, a JSON line), reading its JSON lines (status lines
+and events), which processes belong to it, their memory and socket files, and stopping or killing it whole.
 
 A peer is started in a session of its own, so its process group holds the peer, its hivemind DHT process, its
 averager process and its p2pd daemons; torch_shm_manager (shared memory for the averager) starts a session of
 its own, so a peer's processes are its group plus their descendants outside it. A killed p2pd cannot remove
 its socket file in the temporary folder; whoever kills a peer removes them.
+
+With --json a peer prints one JSON object per line: status lines (every --status-every seconds, no "event" key)
+and events (the moment they happen, with key "event": see swarm/events.py for their fields).
 """
 
 from __future__ import annotations
 
+import codecs
+import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+MADDR = r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)"  # a loopback address as a peer prints it
+PEER_ID = r"peer ((?:12D3|Qm)\w+)"  # as a peer prints its id (Qm: an RSA key, from --identity)
+POLL = 0.2  # seconds between two looks at a peer's log
 GROUP_WAIT = 5.0  # seconds for a killed group's processes to disappear
 
 
@@ -92,9 +105,14 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def kill_peer(process: subprocess.Popen, sockets: set[Path] | None = None) -> None:
+def _popen(process: subprocess.Popen | PeerProcess) -> subprocess.Popen:
+    return process.process if isinstance(process, PeerProcess) else process
+
+
+def kill_peer(process: subprocess.Popen | PeerProcess, sockets: set[Path] | None = None) -> None:
     """SIGKILL the peer's whole group at once, as if its machine died, and its processes outside the group; then
     remove the socket files the kill left (`sockets`, if taken before a SIGTERM)."""
+    process = _popen(process)
     pgid = process.pid  # the session leader's pid is the group id
     sockets = socket_files(pgid) if sockets is None else sockets
     # descendants in other groups, by (pid, start time): a pid reused meanwhile is not theirs
@@ -119,18 +137,218 @@ def kill_peer(process: subprocess.Popen, sockets: set[Path] | None = None) -> No
         path.unlink(missing_ok=True)
 
 
-def stop_peers(processes: Sequence[subprocess.Popen], grace: float = 20.0) -> None:
+STOPPED = "stopped cleanly"  # what a peer prints once its clean shutdown is done (announced offline, checkpointed)
+EXIT_AFTER_STOPPED = 2.0  # seconds a peer that printed STOPPED gets to exit before it is killed
+
+
+def stop_peers(processes: Sequence[subprocess.Popen | PeerProcess], grace: float = 20.0) -> None:
     """SIGTERM every peer (a clean shutdown: announce offline, checkpoint), wait up to `grace` seconds in all,
-    then kill whatever is left of each."""
+    then kill whatever is left of each. A peer started here (a PeerProcess) that printed that its shutdown is
+    done gets EXIT_AFTER_STOPPED seconds more to exit, not the whole grace: the replicas of a stage stopped
+    together have been seen to hang in their exit after that, until killed."""
+    peers = [p if isinstance(p, PeerProcess) else None for p in processes]
+    processes = [_popen(p) for p in processes]
     sockets = [socket_files(p.pid) for p in processes]  # a daemon killed below cannot remove its own
     for process in processes:
         if process.poll() is None:
             signal_group(process.pid, signal.SIGCONT)
             process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
+    stopped_at: dict[int, float] = {}  # by pid: when the peer was seen to have printed STOPPED
+    waiting = list(range(len(processes)))
+    while waiting and time.monotonic() < deadline:
+        now = time.monotonic()
+        for k in list(waiting):
+            if processes[k].poll() is not None:
+                waiting.remove(k)
+            elif peers[k] is not None and STOPPED in peers[k].output()[-200:]:
+                if now - stopped_at.setdefault(k, now) >= EXIT_AFTER_STOPPED:
+                    waiting.remove(k)
+        time.sleep(0.05)
     for process, files in zip(processes, sockets):
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
         kill_peer(process, files)
+
+
+# ------------------------------------------------------------------------------------------ starting a peer
+
+
+class PeerFailed(RuntimeError):
+    """A peer exited, or did not print what was waited for in time; the message ends with its log's end."""
+
+
+def loopback_args(
+    manifest_path: Path | str, stage: int | None = None, trainer: bool = True, port: int = 0
+) -> list[str]:
+    """swarm-peer flags for a peer of a swarm on this machine: joins `manifest_path`, listens on loopback only
+    (at `port`; 0: a free one), one torch thread, JSON lines; serves `stage` (or chooses one itself if None)."""
+    args = ["--join", str(manifest_path), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--threads", "1", "--json"]
+    args += [] if stage is None else ["--stage", str(stage)]
+    return args + ([] if trainer else ["--no-trainer"])
+
+
+def start_peer(
+    args: Sequence[str], log_path: Path, cache_dir: Path | None = None, env: dict[str, str] | None = None
+) -> PeerProcess:
+    """Start `python -m peers.peer ARGS` in a session (process group) of its own, unbuffered, its stdout and
+    stderr into `log_path`; with `cache_dir`, its measured throughputs are cached there (SWARM_CACHE_DIR), not in
+    the user's cache. Its own session: a Ctrl-C in a terminal reaches only the program that started it, which
+    then stops it cleanly (stop_peers), and a kill takes its DHT process and p2pd daemon with it."""
+    environment = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    if cache_dir is not None:
+        environment["SWARM_CACHE_DIR"] = str(cache_dir)
+    with open(log_path, "wb") as log:  # the child keeps its own copy of the file descriptor
+        process = subprocess.Popen(
+            [sys.executable, "-m", "peers.peer", *args],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=environment,
+        )
+    return PeerProcess(process, Path(log_path))
+
+
+def start_local_peer(
+    manifest_path: Path,
+    stage: int | None,
+    log_path: Path,
+    trainer: bool = True,
+    extra: Sequence[str] = (),
+    cache_dir: Path | None = None,
+) -> PeerProcess:
+    """A swarm-peer of a swarm on this machine as swarm-demo and the benchmarks start them (loopback_args): a
+    status line every 5 s, warnings only, and checkpoints in the log's folder unless `extra` names a folder (a
+    demo or a benchmark starts from scratch: never from an earlier run's state)."""
+    args = loopback_args(manifest_path, stage, trainer) + ["--status-every", "5", "--log-level", "WARNING"]
+    if "--checkpoint-dir" not in extra:
+        args += ["--checkpoint-dir", str(Path(log_path).parent / "checkpoints")]
+    return start_peer([*args, *extra], log_path, cache_dir)
+
+
+class PeerProcess:
+    """A started swarm-peer process: its log, what it printed, and stopping or killing it whole."""
+
+    def __init__(self, process: subprocess.Popen, log_path: Path):
+        self.process = process
+        self.log_path = log_path
+        self._data = bytearray()  # the log as read so far
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text = ""  # _data decoded
+        self._parsed = 0  # bytes of _data whose complete lines are parsed into _json
+        self._json: list[dict[str, Any]] = []
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def pgid(self) -> int:
+        return self.process.pid  # the session leader's pid is the group id
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    # -------------------------------------------------------------------------------------- its output
+
+    def _read(self) -> None:
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(len(self._data))
+                new = log.read()
+        except FileNotFoundError:
+            return
+        self._data += new
+        self._text += self._decoder.decode(new)
+
+    def output(self) -> str:
+        """Everything the peer printed so far."""
+        self._read()
+        return self._text
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.output()[-chars:]
+
+    def json_lines(self) -> list[dict[str, Any]]:
+        """Every complete JSON-object line printed so far (status lines and events), in order."""
+        self._read()
+        end = self._data.rfind(b"\n") + 1
+        if end > self._parsed:
+            for line in bytes(self._data[self._parsed : end]).splitlines():
+                if line.startswith(b"{"):
+                    try:
+                        value = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(value, dict):
+                        self._json.append(value)
+            self._parsed = end
+        return list(self._json)
+
+    def status_lines(self) -> list[dict[str, Any]]:
+        """The JSON status lines (printed every --status-every seconds): JSON lines without an "event" key."""
+        return [line for line in self.json_lines() if "event" not in line]
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """The events printed so far (of `kind` only, if given), in order: see swarm/events.py."""
+        return [line for line in self.json_lines() if "event" in line and (kind is None or line["event"] == kind)]
+
+    # ---------------------------------------------------------------------------------------- waiting
+
+    def _wait(self, found: Callable[[], Any], what: str, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            exited = self.process.poll()
+            result = found()  # once more after an exit: it may have printed it last
+            if result is not None:
+                return result
+            if exited is not None:
+                raise PeerFailed(f"the peer exited ({exited}) before {what}; its log ends:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise PeerFailed(f"timed out after {timeout:g}s waiting for {what}; its log ends:\n{self.tail()}")
+            time.sleep(POLL)
+
+    def wait_for(self, pattern: str, timeout: float = 60.0, flags: int = 0) -> re.Match:
+        """The first match of the regular expression `pattern` in the peer's output, once there is one."""
+        return self._wait(lambda: re.search(pattern, self.output(), flags), repr(pattern), timeout)
+
+    def wait_for_json(
+        self, accept: Callable[[dict[str, Any]], bool], timeout: float = 60.0, what: str = "a JSON line"
+    ) -> dict[str, Any]:
+        """The first JSON line (status line or event) that `accept` accepts, once there is one."""
+        return self._wait(lambda: next((j for j in self.json_lines() if accept(j)), None), what, timeout)
+
+    def wait_for_event(self, kind: str, timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
+        """The first event of `kind` whose fields have the values given, once there is one."""
+
+        def accept(line: dict[str, Any]) -> bool:
+            return line.get("event") == kind and all(line.get(k) == v for k, v in fields.items())
+
+        return self.wait_for_json(accept, timeout, f"a {kind!r} event {fields or ''}".strip())
+
+    def maddr(self, timeout: float = 60.0) -> str:
+        """The loopback multiaddr it printed (its DHT is up)."""
+        return self.wait_for(MADDR, timeout).group(1)
+
+    def peer_id(self, timeout: float = 60.0) -> str:
+        return self.wait_for(PEER_ID, timeout).group(1)
+
+    # ----------------------------------------------------------------------------------------- ending
+
+    def signal_group(self, sig: int) -> None:
+        """Send a signal to the peer's whole group: SIGSTOP stalls it, SIGINT is a terminal's Ctrl-C."""
+        signal_group(self.pgid, sig)
+
+    def group_alive(self) -> bool:
+        return group_alive(self.pgid)  # zombies of the group do not count once the leader is reaped
+
+    def socket_files(self) -> set[Path]:
+        """Unix socket files that the peer's processes (python, DHT process, p2pd) have open."""
+        return socket_files(self.pgid)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM (a clean shutdown), then SIGKILL the whole group; remove socket files a kill leaves."""
+        stop_peers([self.process], grace)
+
+    def kill(self, sockets: set[Path] | None = None) -> None:
+        """SIGKILL the peer, its DHT process and its p2pd daemon at once, as if the machine died."""
+        kill_peer(self.process, sockets)

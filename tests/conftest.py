@@ -8,57 +8,82 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import shutil
 import signal
-import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from peers import processes
-from swarm import PROTOCOL_VERSION
+from peers.processes import LOOPBACK, PeerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks/ is not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import tiny_manifest_dict  # noqa: E402
+
+__all__ = ["LOOPBACK", "ROOT", "PeerProcess", "client_dht", "group_alive", "live_processes", "tiny_manifest_dict"]
 
 
 def pytest_configure(config):
     # A test run stopped with SIGTERM (e.g. by a time limit) still runs the fixtures' finalizers, which stop
-    # every peer it started.
+    # every peer it started. Under pytest-xdist the controller passes the signal on to its workers (its child
+    # processes), which run the tests and so hold the peers.
     def interrupt(signum, frame):
+        if not hasattr(config, "workerinput"):
+            for pid, fields in processes.live_processes().items():
+                if int(fields[1]) == os.getpid():
+                    try:
+                        os.kill(pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
         raise KeyboardInterrupt(f"received signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
+    # Peers started by the programs under test (swarm-demo's, for one) cache their measured throughput here,
+    # never in the user's cache; the start_peer fixture gives each test its own.
+    if "SWARM_CACHE_DIR" not in os.environ:
+        cache = Path(tempfile.mkdtemp(prefix="swarm-test-cache-"))
+        os.environ["SWARM_CACHE_DIR"] = str(cache)
+        config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
 
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow first, the longest first (@pytest.mark.slow(SECONDS): what it took in a whole run with
+    pytest-xdist on a busy 2-core machine), the others in their order: the longest start at once, on different
+    workers, instead of one of them being left for the end."""
+
+    def expected_seconds(item) -> float:
+        slow = item.get_closest_marker("slow")
+        return 0.0 if slow is None else float(slow.args[0]) if slow.args else 15.0
+
+    items.sort(key=lambda item: -expected_seconds(item))
 
 
-def tiny_manifest_dict(**overrides) -> dict:
-    """A small, fast 2-stage swarm for tests."""
-    manifest = {
-        "name": "test-swarm",
-        "protocol_version": PROTOCOL_VERSION,
-        "model": {"vocab_size": 256, "width": 64, "depth": 2, "heads": 2, "context_length": 32, "seed": 0},
-        "stages": {"count": 2},
-        "training": {
-            "microbatch_size": 8,
-            "microbatches_per_step": 1,
-            "learning_rate": 0.003,
-            "max_in_flight": 2,
-            "timeouts": {"forward": 5, "backward": 5, "microbatch": 60},
-        },
-        "data": {"source": "stdlib", "shards": 4},
-        "network": {"announce_period": 1.0},
-        "initial_peers": [],
-    }
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(manifest.get(key), dict):
-            manifest[key] = {**manifest[key], **value}
-        else:
-            manifest[key] = value
-    return manifest
+# Modules whose tests share a running swarm (a module-scoped fixture) and run in file order: under pytest-xdist
+# each is one unit of work, sent whole to one worker. (They are marked xdist_group too, but xdist 3.8's
+# loadgroup renames test ids in a way that pytest 9 ignores, so the marks alone group nothing: see below.)
+SHARED_SWARM_MODULES = {"tests/test_fuzz_rpc.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup as meant: every test a unit of work of its own, but a module in SHARED_SWARM_MODULES one
+    unit (xdist's LoadGroupScheduling groups by an id suffix that its workers set in a private attribute of
+    pytest's items, which pytest 9 no longer reads)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedSwarmScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in SHARED_SWARM_MODULES else nodeid
+
+    return SharedSwarmScheduling(config, log)
 
 
 def client_dht(maddr: str):
@@ -66,75 +91,6 @@ def client_dht(maddr: str):
     from hivemind import DHT
 
     return DHT(initial_peers=[maddr], start=True, client_mode=True, host_maddrs=[LOOPBACK])
-
-
-class PeerProcess:
-    """One `swarm-peer` process in its own process group, with its output in a log file."""
-
-    def __init__(self, args: list[str], log_path: Path):
-        self.log_path = log_path
-        self.log_file = open(log_path, "wb")
-        # each test measures throughput afresh: its own cache, never the user's
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_CACHE_DIR": str(log_path.parent / "cache")}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "peers.peer", *args],
-            cwd=ROOT,
-            stdout=self.log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-        )
-        self.pgid = self.process.pid  # the session leader's pid is the group id
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = re.search(pattern, self.output())
-            if match:
-                return match
-            if self.process.poll() is not None:
-                raise AssertionError(f"peer exited ({self.process.returncode}) before {pattern!r}:\n{self.output()}")
-            time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {pattern!r}:\n{self.output()[-3000:]}")
-
-    def maddr(self, timeout: float = 60.0) -> str:
-        return self.wait_for(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", timeout).group(1)
-
-    def peer_id(self, timeout: float = 60.0) -> str:
-        return self.wait_for(r"peer ((?:12D3|Qm)\w+)", timeout).group(1)  # Qm: an RSA key (--identity)
-
-    def status_lines(self) -> list[dict]:
-        lines = []
-        for line in self.output().splitlines():
-            if line.startswith("{"):
-                try:
-                    lines.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
-        return [line for line in lines if "event" not in line]  # event lines: see swarm/events.py
-
-    def kill_group(self, sig: int = signal.SIGKILL) -> None:
-        processes.signal_group(self.pgid, sig)
-
-    def group_alive(self) -> bool:
-        return processes.group_alive(self.pgid)  # zombies of the group do not count once the leader is reaped
-
-    def socket_files(self) -> set[Path]:
-        """Unix socket files that the peer's processes (python, DHT process, p2pd) have open."""
-        return processes.socket_files(self.pgid)
-
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM (a clean shutdown), then SIGKILL the whole group; remove socket files a kill leaves."""
-        processes.stop_peers([self.process], grace)
-        self.log_file.close()
-
-    def kill(self, sockets: set[Path] | None = None) -> None:
-        """SIGKILL the peer, its DHT process and its p2pd daemon at once, as if the machine died."""
-        processes.kill_peer(self.process, sockets)
-        self.log_file.close()
 
 
 def live_processes() -> list[tuple[int, int, int]]:
@@ -152,15 +108,14 @@ def start_peer(tmp_path):
 
     def start(manifest_path: Path, *flags: str) -> PeerProcess:
         # --duration: even a peer orphaned by a killed test run stops by itself
-        args = ["--join", str(manifest_path), "--host-maddrs", LOOPBACK, "--threads", "1", "--json"]
-        args += ["--duration", "900", *flags]
-        peer = PeerProcess(args, tmp_path / f"peer{len(started)}.log")
+        args = [*processes.loopback_args(manifest_path), "--duration", "900", *flags]
+        # each test measures throughput afresh: its own cache, never the user's
+        peer = processes.start_peer(args, tmp_path / f"peer{len(started)}.log", cache_dir=tmp_path / "cache")
         started.append(peer)
         return peer
 
     yield start
-    for peer in started:
-        peer.stop()
+    processes.stop_peers(started, grace=10.0)  # all at once: each takes seconds
 
 
 @pytest.fixture

@@ -183,14 +183,15 @@ def test_plan_steps_are_capped():
 
 
 def test_plan_is_fast_for_a_thousand_peers():
+    # CPU time of this process, not wall time: other tests' peers share the cores (pytest-xdist)
     rng = random.Random(0)
     for num_stages in (8, 32):
         peers = [PeerLoad(f"p{i:04d}", rng.randrange(num_stages), rng.lognormvariate(0, 1)) for i in range(1000)]
         everyone_on_stage_0 = [PeerLoad(p.peer_id, 0, p.throughput) for p in peers]
         for start in (peers, everyone_on_stage_0):
-            began = time.perf_counter()
+            began = time.process_time()
             moves = plan_moves(start, num_stages)
-            assert time.perf_counter() - began < 1.0
+            assert time.process_time() - began < 1.0
             assert moves
         assert efficiency(apply_moves(peers, plan_moves(peers, num_stages)), num_stages) > 0.95
 
@@ -247,7 +248,8 @@ def test_upper_bound_accounts_for_peers_too_fast_to_share():
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_exact_optimum_is_fast_enough_at_the_limit(num_stages):
     # the hardest kinds measured: uniform speeds (no perfect split to stop at early, so the search must prove
-    # its answer) and nearly equal speeds (identical GPUs); worst of several hundred cases about 0.37 s
+    # its answer) and nearly equal speeds (identical GPUs); worst of several hundred cases about 0.37 s. CPU time
+    # of this process, not wall time: other tests' peers share the cores (pytest-xdist)
     slowest = 0.0
     for seed in range(3):
         rng = random.Random(seed)
@@ -255,9 +257,9 @@ def test_exact_optimum_is_fast_enough_at_the_limit(num_stages):
             [rng.uniform(0.5, 1.5) for _ in range(EXACT_LIMIT)],
             [100 * (1 + 0.01 * rng.random()) for _ in range(EXACT_LIMIT)],
         ):
-            began = time.perf_counter()
+            began = time.process_time()
             _, value = optimal_assignment(throughputs, num_stages)
-            slowest = max(slowest, time.perf_counter() - began)
+            slowest = max(slowest, time.process_time() - began)
             assert value <= upper_bound(throughputs, num_stages) + 1e-9
     assert slowest < 1.5  # margin for slow CI machines
 
@@ -266,9 +268,9 @@ def test_exact_optimum_is_fast_enough_at_the_limit(num_stages):
 def test_heuristic_optimum_is_near_the_upper_bound_for_a_thousand_peers(num_stages):
     rng = random.Random(num_stages)
     throughputs = [rng.lognormvariate(0, 1) for _ in range(1000)]
-    began = time.perf_counter()
+    began = time.process_time()  # CPU time, not wall time: other tests' peers share the cores (pytest-xdist)
     stages, value = optimal_assignment(throughputs, num_stages)
-    assert time.perf_counter() - began < 2.0
+    assert time.process_time() - began < 2.0
     assert value >= 0.98 * upper_bound(throughputs, num_stages)
     assert set(stages) == set(range(num_stages))
     assert bottleneck(stage_totals(swarm_of(throughputs, stages), num_stages)) == pytest.approx(value)

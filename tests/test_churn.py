@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 STALL_SLACK = 5.0  # seconds on top of the benchmark's own goal: a loaded 2-core CI machine is slow to reroute
 
 
+@pytest.mark.slow(170)
 def test_swarm_trains_through_a_bootstrap_kill_and_a_stall(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the benchmark does: the peers need the cores more than the trainers

@@ -1,4 +1,7 @@
-"""swarm-peer and swarm-demo: bad user input gets a clear one-paragraph error, quickly, never a traceback."""
+"""swarm-peer and swarm-demo: bad user input gets a clear one-paragraph error, quickly, never a traceback.
+
+Input refused before anything starts (flags, manifests, stages) is checked in this process; what the programs
+meet later (addresses, peers, a demo's run) by running them."""
 
 from __future__ import annotations
 
@@ -13,6 +16,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, group_alive, live_processes, tiny_manifest_dict
+from peers.demo import main as demo_main
+from peers.peer import main as peer_main
+from peers.peer import parse_args as peer_parse_args
 
 pytestmark = pytest.mark.integration
 
@@ -31,28 +37,53 @@ def run(module: str, *args: str, timeout: float = 60, stdout_only: bool = False)
     return result.returncode, out, time.monotonic() - start
 
 
-def test_help_shows_examples():
+def in_process(module: str, args: list[str], capsys) -> tuple[int, str]:
+    """Parse a program's command line in this process (flags are refused before anything starts, so a process of
+    its own, seconds of imports apiece, shows nothing more): its exit status and what it printed. swarm-demo's
+    main() runs until its manifest is read: it starts its DHT only after that."""
+    try:
+        if module == "peers.peer":
+            peer_parse_args(args)  # returns if it accepts the flags: then there is no exit status
+            code = None
+        else:
+            code = demo_main(args)
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_help_shows_examples(capsys):
     for module in ("peers.peer", "peers.demo"):
-        code, out, _ = run(module, "--help")
+        code, out = in_process(module, ["--help"], capsys)
         assert code == 0 and "examples:" in out
 
 
 @pytest.mark.parametrize(
-    "manifest,flags,expected",
+    "manifest,flags,expected,process",
     [
-        (None, [], "does not exist"),
-        ({"model": {"heads": 3}}, [], "'model.heads'"),
-        ({}, ["--stage", "7"], "--stage 7"),
-        ({}, ["--host-maddrs", "/ip4/not-an-ip/tcp/0"], "--host-maddrs"),
-        ({"balancing": {"min_gain": -1}}, [], "'balancing.min_gain'"),
+        (None, [], "does not exist", False),
+        ({"model": {"heads": 3}}, [], "'model.heads'", False),
+        ({}, ["--stage", "7"], "--stage 7", False),
+        ({}, ["--host-maddrs", "/ip4/not-an-ip/tcp/0"], "--host-maddrs", True),
+        ({"balancing": {"min_gain": -1}}, [], "'balancing.min_gain'", False),
     ],
     ids=["missing-manifest", "bad-field", "stage-out-of-range", "bad-host-maddr", "bad-balancing"],
 )
-def test_bad_input_gets_a_clear_error(tmp_path, manifest, flags, expected):
+def test_bad_input_gets_a_clear_error(tmp_path, capsys, manifest, flags, expected, process):
+    """A manifest that is missing or bad, or a stage it does not have, is refused before anything starts: in this
+    process (swarm-peer's main()); a bad address as swarm-peer, a process of its own, meets it."""
     path = tmp_path / "m.json"
     if manifest is not None:
         path.write_text(json.dumps(tiny_manifest_dict(**manifest)))
-    code, out, elapsed = run("peers.peer", "--join", str(path), "--no-trainer", *flags)
+    args = ["--join", str(path), "--no-trainer", *flags]
+    if process:
+        code, out, elapsed = run("peers.peer", *args)
+    else:
+        begin = time.monotonic()
+        code = peer_main(args)
+        captured = capsys.readouterr()
+        out, elapsed = captured.out + captured.err, time.monotonic() - begin
     assert code == 2
     assert expected in out
     assert "Traceback" not in out
@@ -83,11 +114,11 @@ def test_bad_input_gets_a_clear_error(tmp_path, manifest, flags, expected):
         ("peers.demo", ["--peers", "1"], "each needs a peer"),
     ],
 )
-def test_bad_flags_are_refused(tmp_path, module, flags, expected):
+def test_bad_flags_are_refused(tmp_path, capsys, module, flags, expected):
     path = tmp_path / "m.json"
     path.write_text(json.dumps(tiny_manifest_dict()))
     args = ["--join", str(path), *flags] if module == "peers.peer" else flags
-    code, out, _ = run(module, *args)
+    code, out = in_process(module, args, capsys)
     assert code == 2
     assert expected in out
     assert "Traceback" not in out
@@ -105,8 +136,9 @@ def test_unreachable_initial_peers_fail_fast(tmp_path):
     assert elapsed < 30
 
 
+@pytest.mark.slow(90)
 def test_demo_trains_and_reports_json():
-    code, out, elapsed = run("peers.demo", "--duration", "25", "--json", timeout=240, stdout_only=True)
+    code, out, elapsed = run("peers.demo", "--duration", "15", "--json", timeout=240, stdout_only=True)
     assert code == 0, out
     summary = json.loads(out.strip().splitlines()[-1])
     assert {"initial_loss", "final_loss", "samples_per_second", "peers"} <= set(summary)
@@ -127,6 +159,22 @@ def _peer_children(pid: int) -> list[int]:
     return found
 
 
+def _demo_folder(peer: int) -> Path | None:
+    """The demo's folder, where its peers' logs are (peer<k>.log): that of the manifest a peer of it joins."""
+    try:
+        args = Path(f"/proc/{peer}/cmdline").read_bytes().decode().split("\0")
+        return Path(args[args.index("--join") + 1]).parent
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _serving(folder: Path | None) -> int:
+    """How many of the demo's peers serve their stage, by their logs."""
+    logs = folder.glob("peer*.log") if folder is not None else []
+    return sum("serving stage" in log.read_text(errors="replace") for log in logs)
+
+
+@pytest.mark.slow(75)
 def test_demo_ctrl_c_stops_every_peer():
     demo = subprocess.Popen(
         [sys.executable, "-m", "peers.demo", "--duration", "300"],
@@ -142,7 +190,10 @@ def test_demo_ctrl_c_stops_every_peer():
             peers = _peer_children(demo.pid)
             time.sleep(0.5)
         assert len(peers) == 4, "the demo should start 4 peer processes"
-        time.sleep(15)  # the peers are up (or starting): Ctrl-C must stop them either way
+        # the peers are up (or starting: after at most 15 s): Ctrl-C must stop them either way
+        folder, deadline = _demo_folder(peers[0]), time.monotonic() + 15
+        while _serving(folder) < len(peers) and time.monotonic() < deadline:
+            time.sleep(0.5)
         os.killpg(demo.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
         assert demo.wait(timeout=60) == 130
         deadline = time.monotonic() + 10
@@ -158,7 +209,7 @@ def test_demo_ctrl_c_stops_every_peer():
         demo.wait(timeout=10)
 
 
-def test_new_swarm_needs_a_manifest_file_to_write():
-    code, out, _ = run("peers.peer", "--join", "http://127.0.0.1:9/swarm.json", "--new-swarm")
+def test_new_swarm_needs_a_manifest_file_to_write(capsys):
+    code, out = in_process("peers.peer", ["--join", "http://127.0.0.1:9/swarm.json", "--new-swarm"], capsys)
     assert code == 2 and "--new-swarm writes this peer's addresses into the manifest" in out
     assert "Traceback" not in out

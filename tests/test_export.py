@@ -54,6 +54,20 @@ def run_tool(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def start_tool(args: list[str]) -> subprocess.Popen:
+    """run_tool, started: others can run meanwhile (finish it with finish_tool)."""
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_tool(tool: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    try:
+        out, err = tool.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tool.kill()
+        raise
+    return subprocess.CompletedProcess(tool.args, tool.returncode, out, err)
+
+
 def export_command(manifest_path: Path | str, out: Path, *flags: str, script: bool = False) -> list[str]:
     """`python -m peers.export ...`, or with `script` the installed `swarm-export` (pyproject's entry point)."""
     program = [str(Path(sys.executable).parent / "swarm-export")] if script else [sys.executable, "-m", "peers.export"]
@@ -210,6 +224,7 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow(180)
 def test_export_of_a_trained_swarm_matches_its_peers(start_peer, write_manifest, tmp_path):
     from swarm.client.trainer import Trainer
 
@@ -244,13 +259,27 @@ def test_export_of_a_trained_swarm_matches_its_peers(start_peer, write_manifest,
 
         asyncio.run(train())  # the trainer has stopped: the peers' parameters stay as they are now
 
-        result = run_tool(export_command(path, out, "--timeout", "60", "--json", script=True), 90)
+        # both exports at once (each loads torch and hivemind and joins the DHT): through the manifest with the
+        # installed swarm-export, and through a running peer's multiaddr (checked further down)
+        through_peer = tmp_path / "through-peer.safetensors"
+        by_manifest = start_tool(export_command(path, out, "--timeout", "60", "--json", script=True))
+        by_peer = start_tool(export_command(last.maddr(), through_peer, "--timeout", "60", "--json"))
+        try:
+            result = finish_tool(by_manifest, 90)
+            by_peer_result = finish_tool(by_peer, 90)
+        finally:
+            for tool in (by_manifest, by_peer):
+                if tool.poll() is None:
+                    tool.kill()
+                    tool.wait()
         assert result.returncode == 0, result.stderr
         summary = json.loads(result.stdout)
         assert summary["file"] == str(out) and summary["bytes"] == out.stat().st_size
         assert [s["peer_id"] for s in summary["stages"]] == [first.peer_id(), last.peer_id()]
         assert all(s["optimizer_steps"] >= 5 for s in summary["stages"]), summary
 
+        # sampling from the file (a process of its own) while the file is checked against the peers' states
+        generate = start_tool([sys.executable, str(GENERATE), "--model", str(out), "--tokens", "30", "--seed", "0"])
         exported = load_file(str(out))
         seed_init = build_full_model(manifest.model).state_dict()
         assert sorted(exported) == sorted(seed_init)  # safetensors stores names sorted
@@ -277,13 +306,12 @@ def test_export_of_a_trained_swarm_matches_its_peers(start_peer, write_manifest,
             stages = json.loads(f.metadata()["stages"])
         assert [s["peer_id"] for s in stages] == [first.peer_id(), last.peer_id()]
 
-        result = run_tool([sys.executable, str(GENERATE), "--model", str(out), "--tokens", "30", "--seed", "0"], 60)
+        result = finish_tool(generate, 60)
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("def ") and len(result.stdout.strip()) > len("def ")
 
         # through a running peer's multiaddr instead of the manifest: it hands out the manifest, same result
-        through_peer = tmp_path / "through-peer.safetensors"
-        result = run_tool(export_command(last.maddr(), through_peer, "--timeout", "60", "--json"), 90)
+        result = by_peer_result
         assert result.returncode == 0, result.stderr
         again = load_file(str(through_peer))
         assert all(torch.equal(again[name], exported[name]) for name in exported)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -81,13 +79,13 @@ def test_swarm_init_refuses_to_overwrite_without_force(tmp_path, capsys):
     assert load_manifest(out).name == "s"
 
 
-def test_swarm_init_errors_are_one_line_not_tracebacks(tmp_path):
+def test_swarm_init_errors_are_one_line_not_tracebacks(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where it would write s.json (in this process: it starts nothing)
     for flags in (["--heads", "5"], ["--stages", "99"], ["--out", str(tmp_path / "no" / "such" / "dir.json")]):
-        result = subprocess.run(
-            [sys.executable, "-m", "peers.init", "s", *flags], capture_output=True, text=True, cwd=tmp_path
-        )
-        assert result.returncode == 2, flags
-        assert result.stderr.startswith("swarm-init: error:") and "Traceback" not in result.stderr, result.stderr
+        assert init_main(["s", *flags]) == 2, flags
+        stderr = capsys.readouterr().err
+        assert stderr.startswith("swarm-init: error:") and "Traceback" not in stderr, stderr
+        assert len(stderr.strip().splitlines()) == 1, stderr
 
 
 def test_examples_gpu_manifest_is_the_1b_preset():

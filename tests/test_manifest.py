@@ -64,7 +64,12 @@ def _set(raw: dict, dotted: str, value) -> dict:
     return raw
 
 
-_DELETE = object()
+class _Delete:
+    def __repr__(self) -> str:  # in test ids: the same in every pytest-xdist worker (an object()'s is not)
+        return "<deleted>"
+
+
+_DELETE = _Delete()
 
 BAD_FIELDS = [
     ("name", _DELETE, "name"),

@@ -50,6 +50,7 @@ def value(samples: list[Sample], name: str, **labels: str) -> float:
 
 
 @pytest.mark.integration
+@pytest.mark.slow(40)
 def test_peer_serves_metrics_while_training(start_peer, write_manifest, tmp_path):
     raw = tiny_manifest_dict()
     text = tmp_path / "corpus.txt"  # quicker to load than the manifest's data (the standard library's sources)

@@ -160,6 +160,7 @@ def _empty_request():
 
 
 @pytest.mark.integration
+@pytest.mark.slow(90)
 def test_a_peer_that_does_not_listen_serves_a_stage(start_peer, write_manifest):
     path = write_manifest(tiny_manifest_dict(), "swarm.json")
     first = start_peer(path, "--new-swarm", "--stage", "0", "--no-trainer", "--public-name", "first")

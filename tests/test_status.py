@@ -15,6 +15,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import ROOT, tiny_manifest_dict
+from peers import processes
 from peers.status import main as status_main
 from swarm.health import DEGRADED, HEALTHY, exit_code, find_peer, peer_status, swarm_health
 from swarm.manifest import manifest_from_dict
@@ -152,6 +153,33 @@ def wait_for_document(join: str, accept, timeout: float = 90.0) -> tuple[int, di
         time.sleep(1)
 
 
+class StatusRuns:
+    """peer-status processes run side by side (each loads torch and hivemind and joins the DHT: seconds apiece),
+    each in a session of its own; whatever is left of them (their DHT processes and p2pd daemons too) is killed
+    at the end."""
+
+    def __init__(self):
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, *flags: str, **options) -> subprocess.Popen:
+        options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **options}
+        run = subprocess.Popen(
+            [sys.executable, "-m", "peers.status", *flags], cwd=ROOT, start_new_session=True, **options
+        )
+        self.started.append(run)
+        return run
+
+    @staticmethod
+    def result(run: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
+        out, err = run.communicate(timeout=timeout)
+        return run.returncode, out, err
+
+    def close(self) -> None:
+        for run in self.started:
+            processes.signal_group(run.pid, signal.SIGKILL)
+            run.wait()
+
+
 @pytest.fixture
 def http_folder(tmp_path):
     """Serve tmp_path over HTTP on loopback."""
@@ -166,9 +194,13 @@ def http_folder(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow(160)
 def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder):
     path = write_manifest(tiny_manifest_dict(), "swarm.json")
-    alice = start_peer(path, "--new-swarm", "--stage", "1", "--public-name", "alice")
+    # alice's trainer trains all along: as a device 20 times slower (her stage, the last, paces the pipeline), so
+    # that it leaves the cores to peer-status and the other tests
+    flags = ["--public-name", "alice", "--status-every", "1", "--simulated-speed", "0.05"]
+    alice = start_peer(path, "--new-swarm", "--stage", "1", *flags)
     alice.wait_for("wrote .*swarm.json")
     manifest = load_manifest(path)
     assert alice.maddr() in manifest.initial_peers  # --new-swarm wrote its address into the manifest
@@ -182,6 +214,8 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder):
     # through the initial peer that --new-swarm wrote; one trainer (alice's) is enough and spares the CPU
     bob = start_peer(path, "--public-name", "bob", "--no-trainer")
     bob.wait_for("serving stage 0")
+    # alice's trainer has a loss (its own status line says so) before peer-status is asked, a process each time
+    alice.wait_for_json(lambda line: line.get("trainer_loss") is not None, timeout=90, what="a trainer loss")
     code, doc = wait_for_document(
         str(path),
         lambda code, doc: code == HEALTHY and doc["training"]["loss"] is not None and doc["training"]["trainers"] == 1,
@@ -198,43 +232,50 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder):
     assert doc["health"]["balance_efficiency"] == 1.0
     assert doc["training"]["samples_per_second"] > 0 and 0 < doc["training"]["loss"] < 10
 
-    # the rich tables
-    code, out, err, _ = peer_status_run("--join", str(path))
-    assert code == HEALTHY, err
-    for text in ("test-swarm", manifest.swarm_id, "healthy", "alice", "bob", alice.peer_id()[-8:], "training:"):
-        assert text in out, (text, out)
-
-    # one peer in detail
-    code, out, err, _ = peer_status_run("--join", str(path), "--peer", "alice", "--json")
-    assert code == 0 and json.loads(out)["peer_id"] == alice.peer_id(), err
-    code, out, err, _ = peer_status_run("--join", str(path), "--peer", "nobody")
-    assert code == DEGRADED and "no peer matches" in err
-
-    # joined through a peer's multiaddr, and through an HTTP URL that names the swarm id
-    for join in (bob.maddr(), f"{http_folder}/swarm.json#{manifest.swarm_id}"):
-        code, doc = status_json("--join", join)
-        assert code == HEALTHY and doc["swarm"]["swarm_id"] == manifest.swarm_id, join
-        assert {p["public_name"] for p in doc["peers"]} == {"alice", "bob"}
-
-    # --watch: bob dies; he shows as stale or gone, and the swarm as degraded
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "peers.status", "--join", str(path), "--watch", "1", "--json"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout], daemon=True).start()
-
-    def next_document() -> dict:
-        try:
-            return json.loads(lines.get(timeout=60))  # a watch that stalls fails the test instead of hanging it
-        except queue.Empty:
-            raise AssertionError(f"peer-status --watch printed nothing for 60 s (exit status {watch.poll()})") from None
-
+    runs = StatusRuns()
     try:
+        # the rest at once: the rich tables, one peer in detail, a peer nobody is, joins through a peer's
+        # multiaddr and through an HTTP URL that names the swarm id, and --watch (bob dies below)
+        tables = runs.start("--join", str(path))
+        alice_detail = runs.start("--join", str(path), "--peer", "alice", "--json")
+        nobody = runs.start("--join", str(path), "--peer", "nobody")
+        joins = {
+            join: runs.start("--join", join, "--json")
+            for join in (bob.maddr(), f"{http_folder}/swarm.json#{manifest.swarm_id}")
+        }
+        watch = runs.start("--join", str(path), "--watch", "1", "--json", stderr=subprocess.DEVNULL)
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout], daemon=True).start()
+
+        def next_document() -> dict:
+            try:
+                return json.loads(lines.get(timeout=60))  # a watch that stalls fails the test instead of hanging it
+            except queue.Empty:
+                raise AssertionError(
+                    f"peer-status --watch printed nothing for 60 s (exit status {watch.poll()})"
+                ) from None
+
+        # the rich tables
+        code, out, err = runs.result(tables)
+        assert code == HEALTHY, err
+        for text in ("test-swarm", manifest.swarm_id, "healthy", "alice", "bob", alice.peer_id()[-8:], "training:"):
+            assert text in out, (text, out)
+
+        # one peer in detail
+        code, out, err = runs.result(alice_detail)
+        assert code == 0 and json.loads(out)["peer_id"] == alice.peer_id(), err
+        code, out, err = runs.result(nobody)
+        assert code == DEGRADED and "no peer matches" in err
+
+        # joined through a peer's multiaddr, and through an HTTP URL that names the swarm id
+        for join, run in joins.items():
+            code, out, err = runs.result(run)
+            assert code != 2 and out.strip(), err
+            doc = json.loads(out)
+            assert code == HEALTHY and doc["swarm"]["swarm_id"] == manifest.swarm_id, join
+            assert {p["public_name"] for p in doc["peers"]} == {"alice", "bob"}
+
+        # --watch: bob dies; he shows as stale or gone, and the swarm as degraded
         first = next_document()
         assert first["health"]["healthy"]
         bob.kill()
@@ -246,13 +287,13 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder):
                 break
         assert bob_now and bob_now[0]["status"] == "gone", doc["peers"]
         assert not doc["health"]["healthy"] and doc["health"]["unserved_stages"] == [0]
-    finally:
         watch.send_signal(signal.SIGINT)
         try:
             watch.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            watch.kill()
-            watch.wait()
+            pass
+    finally:
+        runs.close()
 
 
 def test_unreachable_swarm_exits_2_quickly(write_manifest, capsys):

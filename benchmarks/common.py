@@ -1,0 +1,172 @@
+"""What the benchmarks share: the tiny test swarm's manifest, starting local peers, waiting for a swarm to come
+online, and the held-out loss of a swarm (every online peer's state downloaded, the whole model assembled from
+one replica per stage, in every combination).
+
+The tests use the same tiny manifest (tests/conftest.py imports it from here). Peers are started with
+peers/processes.py (start_peer, start_local_peer), as swarm-demo and the tests start them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import json
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from swarm import PROTOCOL_VERSION  # noqa: E402
+from swarm.client.rpc import download_state  # noqa: E402
+from swarm.data import TextData, heldout_batches  # noqa: E402
+from swarm.export import assemble_full_state, stage_parameters  # noqa: E402
+from swarm.manifest import Manifest, manifest_from_dict  # noqa: E402
+from swarm.model import build_full_model  # noqa: E402
+from swarm.presets import new_manifest  # noqa: E402
+from swarm.records import Announcement, PeerState, fetch_announcements  # noqa: E402
+from swarm.server.state import stage_state_shapes  # noqa: E402
+
+# ------------------------------------------------------------------------------------------------ manifests
+
+TINY_MANIFEST = {
+    "name": "test-swarm",
+    "protocol_version": PROTOCOL_VERSION,
+    "model": {"vocab_size": 256, "width": 64, "depth": 2, "heads": 2, "context_length": 32, "seed": 0},
+    "stages": {"count": 2},
+    "training": {
+        "microbatch_size": 8,
+        "microbatches_per_step": 1,
+        "learning_rate": 0.003,
+        "max_in_flight": 2,
+        "timeouts": {"forward": 5, "backward": 5, "microbatch": 60},
+    },
+    "data": {"source": "stdlib", "shards": 4},
+    "network": {"announce_period": 1.0},
+    "initial_peers": [],
+}
+
+
+def tiny_manifest_dict(**overrides) -> dict:
+    """A small, fast 2-stage swarm (of the tests, and of benchmarks/churn.py), as a manifest dictionary; each
+    override replaces a top-level field, or, for a dictionary, the keys it names in that section."""
+    manifest = copy.deepcopy(TINY_MANIFEST)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(manifest.get(key), dict):
+            manifest[key] = {**manifest[key], **value}
+        else:
+            manifest[key] = value
+    return manifest
+
+
+def benchmark_manifest(path: str | None, name: str) -> Manifest:
+    """The manifest at `path` without its initial peers (a benchmark starts a swarm of its own and contacts
+    nobody), or, without a path, a new swarm `name` of the tiny preset (the demo's model)."""
+    if path is None:
+        return new_manifest(name, "tiny")
+    return manifest_from_dict({**json.loads(Path(path).read_text()), "initial_peers": []})
+
+
+# ------------------------------------------------------------------------------------------------ peers
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports that are free on 127.0.0.1 now (all bound at once, so that they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def stop_on_sigterm() -> None:
+    """A benchmark stopped with SIGTERM (e.g. by a time limit) still stops its peers: it raises
+    KeyboardInterrupt, which runs the `finally` blocks that stop them."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"received signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+# ------------------------------------------------------------------------------------------------ the swarm
+
+
+async def online_by_stage(dht, manifest: Manifest) -> list[list[Announcement]]:
+    """The online announcements of each stage."""
+    return [
+        [a for a in await fetch_announcements(dht, manifest.swarm_id, s) if a.state == PeerState.ONLINE]
+        for s in range(manifest.num_stages)
+    ]
+
+
+async def wait_online(dht, manifest: Manifest, replicas: int, timeout: float) -> bool:
+    """Wait until every stage has `replicas` online peers; False if that did not happen within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not all(len(stage) == replicas for stage in await online_by_stage(dht, manifest)):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.5)
+    return True
+
+
+def eval_batches(manifest: Manifest, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` held-out microbatches of the manifest's data."""
+    heldout = TextData.load_heldout(manifest.data.source, manifest.data.heldout_fraction)
+    return heldout_batches(heldout, count, manifest.training.microbatch_size, manifest.model.context_length)
+
+
+@torch.no_grad()
+def heldout_loss(manifest: Manifest, state: dict[str, torch.Tensor], batches) -> float:
+    """The held-out loss of the whole model with these parameters (by their full names)."""
+    model = build_full_model(manifest.model)
+    model.load_state_dict(state, strict=False)  # parameters only (no buffers to restore)
+    model.eval()
+    return float(np.mean([float(model.loss(model(x), y)) for x, y in batches]))
+
+
+async def download_parameters(
+    p2p,
+    manifest: Manifest,
+    online: list[list[Announcement]],
+    timeout: float = 120.0,
+    on_error: Callable[[int, str, Exception], None] | None = None,
+) -> list[list[dict[str, torch.Tensor]]]:
+    """Per stage, the parameters of each peer announced in `online[stage]`. A failed download raises, or, with
+    `on_error(stage, peer_id, error)`, is reported there and skipped."""
+    states: list[list[dict[str, torch.Tensor]]] = []
+    for stage, announcements in enumerate(online):
+        shapes = stage_state_shapes(manifest, stage)
+        states.append([])
+        for ann in announcements:
+            try:
+                items, _ = await download_state(p2p, ann.peer_id, manifest, stage, shapes, timeout)
+            except Exception as e:
+                if on_error is None:
+                    raise
+                on_error(stage, ann.peer_id, e)
+                continue
+            states[-1].append(stage_parameters(items))
+    return states
+
+
+def swarm_heldout_losses(manifest: Manifest, states: list[list[dict[str, torch.Tensor]]], batches) -> list[float]:
+    """The held-out loss of the model assembled from each combination of one replica per stage."""
+    return [
+        heldout_loss(manifest, assemble_full_state(manifest, list(combination)), batches)
+        for combination in itertools.product(*states)
+    ]
