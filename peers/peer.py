@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         if not initial_peers and not args.new_swarm:
             print("the manifest lists no initial peers: starting a new swarm", flush=True)
         args.reachable = decide_reachability(args, initial_peers, host_maddrs, manifest)
+        sockets_before = joining.daemon_sockets()
         dht = joining.start_dht(
             initial_peers,
             host_maddrs,
@@ -266,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         dht.shutdown()
+        # a Ctrl-C to the whole process group can end p2pd before it removes its socket file: remove the ones
+        # that appeared since this peer started and that nobody listens on any more (live daemons are left alone)
+        joining.remove_stale_sockets(joining.daemon_sockets() - sockets_before)
         if identity is not None:
             identity.close()
 
