@@ -138,7 +138,7 @@ def test_unreachable_initial_peers_fail_fast(tmp_path):
 
 @pytest.mark.slow(90)
 def test_demo_trains_and_reports_json():
-    code, out, elapsed = run("peers.demo", "--duration", "15", "--json", timeout=240, stdout_only=True)
+    code, out, elapsed = run("peers.demo", "--duration", "20", "--json", timeout=240, stdout_only=True)
     assert code == 0, out
     summary = json.loads(out.strip().splitlines()[-1])
     assert {"initial_loss", "final_loss", "samples_per_second", "peers"} <= set(summary)
