@@ -47,6 +47,9 @@ class Timeouts:
     microbatch: float = 300.0
 
 
+PIPELINES = ("forward", "relay")
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     microbatch_size: int = 16
@@ -59,6 +62,9 @@ class TrainingConfig:
     # costs more loss than it gains when a swarm has many trainers (docs/BENCHMARKS.md, convergence)
     max_in_flight: int = 1
     activation_compression: str = "float32"
+    # forward: stages send activations to each other (server/forwarding.py); relay: the trainer carries them
+    # between stages (the protocol before issue 14, kept to compare against)
+    pipeline: str = "forward"
     timeouts: Timeouts = field(default_factory=Timeouts)
 
 
@@ -226,6 +232,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
         max_grad_norm=t.number("max_grad_norm", minimum=1e-6),
         max_in_flight=t.integer("max_in_flight", minimum=1, maximum=1024),
         activation_compression=t.choice("activation_compression", COMPRESSIONS),
+        pipeline=t.choice("pipeline", PIPELINES),
         timeouts=timeouts,
     )
     t.no_unknown()

@@ -55,7 +55,18 @@ _BYTES_PER_ELEMENT = {
 
 Message = TypeVar("Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 
-ERROR_CODES = ("bad_request", "busy", "banned", "unknown_microbatch", "wrong_stage", "internal")
+ERROR_CODES = (
+    "bad_request",
+    "busy",
+    "banned",
+    "unknown_microbatch",
+    "wrong_stage",
+    "internal",
+    "downstream_failed",  # a later stage of a forwarded microbatch failed (not this peer's fault)
+    "duplicate",  # this peer has this microbatch already (a gradient is never applied twice)
+    "too_late",  # the hop's deadline passed before its gradient could be applied (nothing was applied)
+)
+MAX_PEER_ID = 128  # characters of a peer id in a route (base58 ids are about 52)
 
 
 @dataclass
@@ -86,9 +97,12 @@ def make_request(
     tensors: list[torch.Tensor],
     train: bool = True,
     proof: str | None = None,
+    **fields: object,
 ) -> runtime_pb2.ExpertRequest:
-    """A forward or backward request; `proof` (manifest.proof(sender's peer id)) is needed in a private swarm."""
+    """A forward, backward or train request; `proof` (manifest.proof(sender's peer id)) is needed in a private
+    swarm; `fields` are more metadata (a train request's route and budget)."""
     metadata = {
+        **fields,
         "swarm_id": manifest.swarm_id,
         "protocol_version": PROTOCOL_VERSION,
         "stage": stage,
@@ -103,9 +117,12 @@ def make_request(
     )
 
 
-def make_reply(tensors: list[torch.Tensor], compression: str = "float32") -> runtime_pb2.ExpertResponse:
+def make_reply(
+    tensors: list[torch.Tensor], compression: str = "float32", **fields: object
+) -> runtime_pb2.ExpertResponse:
     return runtime_pb2.ExpertResponse(
-        tensors=[encode_tensor(t, compression) for t in tensors], metadata=MSGPackSerializer.dumps({"ok": True})
+        tensors=[encode_tensor(t, compression) for t in tensors],
+        metadata=MSGPackSerializer.dumps({"ok": True, **fields}),
     )
 
 
@@ -174,7 +191,43 @@ def decode_request(
     request: runtime_pb2.ExpertRequest, manifest: Manifest, max_elements: int, sender: str
 ) -> StageRequest:
     """Validate the metadata and tensor headers of a request (not yet its shapes against the stage)."""
-    metadata = decode_metadata(request, manifest, sender)
+    return decode_tensors(request, decode_fields(decode_metadata(request, manifest, sender), manifest), max_elements)
+
+
+def decode_tensors(request: runtime_pb2.ExpertRequest, fields: StageRequest, max_elements: int) -> StageRequest:
+    """The request's tensors (headers and sizes checked), into `fields` (from decode_fields)."""
+    if len(request.tensors) > 2:
+        raise BadRequestError(f"{len(request.tensors)} tensors sent, at most 2 are accepted")
+    fields.tensors = [decode_tensor(t, max_elements, f"tensor {i}") for i, t in enumerate(request.tensors)]
+    return fields
+
+
+@dataclass
+class Onward:
+    """What a train request says of the rest of its way: the peers the trainer chose for the later stages (a
+    hop may choose others), and the seconds this hop has to reply."""
+
+    route: list[str]
+    budget: float
+
+
+def decode_onward(metadata: dict, manifest: Manifest, stage: int) -> Onward:
+    """The route and budget of a train request for `stage`."""
+    route = metadata.get("route", [])
+    later = manifest.num_stages - 1 - stage
+    if not isinstance(route, list) or len(route) > later:
+        raise BadRequestError(f"route must be a list of at most {later} peer ids (one per later stage)")
+    if not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for p in route):
+        raise BadRequestError(f"route must hold peer ids of 1 to {MAX_PEER_ID} characters")
+    budget = metadata.get("budget")
+    limit = manifest.training.timeouts.microbatch
+    if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 < budget <= limit:
+        raise BadRequestError(f"budget must be a number of seconds in (0, {limit:g}] (training.timeouts.microbatch)")
+    return Onward(route=list(route), budget=float(budget))
+
+
+def decode_fields(metadata: dict, manifest: Manifest) -> StageRequest:
+    """Stage, microbatch id and train flag of a request's metadata (its tensors not yet read)."""
     stage = metadata.get("stage")
     if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < manifest.num_stages:
         raise BadRequestError(f"stage must be an integer from 0 to {manifest.num_stages - 1}")
@@ -184,10 +237,37 @@ def decode_request(
     train = metadata.get("train", True)
     if not isinstance(train, bool):
         raise BadRequestError("train must be true or false")
-    if len(request.tensors) > 2:
-        raise BadRequestError(f"{len(request.tensors)} tensors sent, at most 2 are accepted")
-    tensors = [decode_tensor(t, max_elements, f"tensor {i}") for i, t in enumerate(request.tensors)]
-    return StageRequest(stage=stage, microbatch_id=microbatch_id, train=train, tensors=tensors)
+    return StageRequest(stage=stage, microbatch_id=microbatch_id, train=train, tensors=[])
+
+
+@dataclass
+class HopTiming:
+    """One hop of a forwarded microbatch, as its reply reports it: seconds of compute at the peer, and seconds
+    from the request's arrival to the reply (compute, queueing and everything after it on the route)."""
+
+    peer_id: str
+    compute: float
+    total: float
+
+
+def decode_hops(reply: runtime_pb2.ExpertResponse, most: int) -> list[HopTiming]:
+    """The timings a train reply carries (this hop's first); [] when they are missing or malformed (they only
+    guide routing: a peer that lies about them misleads only its callers' estimates of itself)."""
+    try:
+        hops = unpack(reply.metadata).get("hops", [])
+        if not isinstance(hops, list) or len(hops) > most:
+            return []
+        timings = []
+        for peer_id, compute, total in hops:
+            numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (compute, total))
+            if not (isinstance(peer_id, str) and 0 < len(peer_id) <= MAX_PEER_ID and numbers):
+                return []
+            if not (0 <= compute <= total <= 1e6):
+                return []
+            timings.append(HopTiming(peer_id, float(compute), float(total)))
+        return timings
+    except Exception:
+        return []
 
 
 def decode_metadata(request: runtime_pb2.ExpertRequest, manifest: Manifest, sender: str) -> dict:

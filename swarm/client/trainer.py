@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from swarm import protocol
@@ -30,6 +31,7 @@ from swarm.errors import MicrobatchFailedError, RemoteStageError
 from swarm.manifest import Manifest
 from swarm.records import SwarmView, TrainerReport, announceable, announcement_lifetime, store_trainer_report
 from swarm.routing import Router, online_peers
+from swarm.server.forwarding import BLAMELESS, MIN_BUDGET, check_reply, grace, onward_budget
 from swarm.server.stage import StageServer
 from swarm.stats import Traffic, TrainerStats
 
@@ -119,6 +121,105 @@ class Trainer:
         self.recent.append((time.monotonic(), loss, samples))
 
     async def _train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        if self.manifest.training.pipeline == "forward":
+            return await self._forwarded_microbatch(inputs, targets)
+        return await self._relayed_microbatch(inputs, targets)
+
+    # ------------------------------------------------------------------ forwarded: stage to stage
+
+    async def _forwarded_microbatch(
+        self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True, timeout: float | None = None
+    ) -> tuple[float, int]:
+        """Send the microbatch to stage 0 with a route; the stages pass it on and back (server/forwarding.py).
+        If stage 0's peer fails, the microbatch starts again elsewhere, under the same id (so a stage that applied
+        its gradient already refuses it: nothing is applied twice)."""
+        microbatch_id = uuid.uuid4().hex
+        timeouts = self.manifest.training.timeouts
+        deadline = time.monotonic() + (timeout if timeout is not None else timeouts.microbatch)
+        stages = self.manifest.num_stages
+        samples = inputs.shape[0]
+        tried: set[str] = set()
+        last_error: Exception | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            budget = onward_budget(remaining, 0.0, stages, timeouts.forward + timeouts.backward)
+            if budget < MIN_BUDGET:
+                raise MicrobatchFailedError(
+                    f"the microbatch did not finish before its deadline (last error: {last_error!r})"
+                )
+            route = await self._route(samples, tried)
+            if not route:
+                tried.clear()
+                await asyncio.sleep(NO_PEER_WAIT)
+                continue
+            tried.add(route[0])
+            request = protocol.make_request(
+                self.manifest,
+                0,
+                microbatch_id,
+                [inputs, targets],
+                train=train,
+                proof=self.proof,
+                route=route[1:],
+                budget=budget,
+            )
+            for peer_id in route:
+                self.router.started(peer_id, samples)
+            begin = time.monotonic()
+            try:
+                reply = await self._send(route[0], "train", request, budget + grace(budget))
+                (loss,) = check_reply(reply, [()], self.max_elements)
+                self._learn(protocol.decode_hops(reply, stages), time.monotonic() - begin, samples)
+                return float(loss), samples
+            except RemoteStageError as e:
+                last_error = e
+                if e.code == "duplicate":
+                    raise MicrobatchFailedError(f"a stage has this microbatch already: {e}") from None
+                if e.code not in BLAMELESS:
+                    self._ban(route[0], f"train on stage 0: {e}")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # timeouts, connection errors
+                last_error = e
+                self._ban(route[0], f"train on stage 0 failed: {type(e).__name__}: {e}")
+            finally:
+                for peer_id in route:
+                    self.router.finished(peer_id, samples)
+
+    async def _route(self, samples: int, tried: set[str]) -> list[str]:
+        """One peer per stage, each the one expected to finish soonest; it stops before a stage without peers
+        (a hop chooses itself there) and is empty if stage 0 has none left to try."""
+        route = []
+        for stage in range(self.manifest.num_stages):
+            peer_id = await self._pick(stage, tried if stage == 0 else set(), samples)
+            if peer_id is None:
+                break
+            route.append(peer_id)
+        return route
+
+    def _learn(self, hops: list[protocol.HopTiming], took: float, samples: int) -> None:
+        """What a reply's hop timings say of each peer on the way: its compute and the transfer to it."""
+        for index, hop in enumerate(hops):
+            reached = took if index == 0 else hops[index - 1].total - hops[index - 1].compute
+            transfer = max(reached - hop.total, 0.0)
+            self.router.observed(hop.peer_id, samples, max(hop.compute + transfer, 1e-6))
+
+    async def _send(
+        self, peer_id: str, kind: str, request: runtime_pb2.ExpertRequest, timeout: float
+    ) -> runtime_pb2.ExpertResponse:
+        """One call: to this peer's own server directly, else over the network (its bytes counted)."""
+        if self.local_server is not None and peer_id == self.peer_id:
+            return await asyncio.wait_for(self.local_server.handle(kind, request, self.peer_id), timeout)
+        reply = await call_stage(self.p2p, peer_id, kind, request, timeout, self.max_elements)
+        self.bytes_sent += request.ByteSize()
+        self.bytes_received += reply.ByteSize()
+        self.traffic.activation_sent += request.ByteSize()
+        self.traffic.activation_received += reply.ByteSize()
+        return reply
+
+    # ---------------------------------------------------------------- relayed: through the trainer
+
+    async def _relayed_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         microbatch_id = uuid.uuid4().hex
         deadline = time.monotonic() + self.manifest.training.timeouts.microbatch
         last = self.manifest.num_stages - 1
@@ -176,6 +277,11 @@ class Trainer:
 
         async def one(inputs: torch.Tensor, targets: torch.Tensor) -> float:
             async with semaphore:
+                if self.manifest.training.pipeline == "forward":
+                    loss, _ = await self._forwarded_microbatch(
+                        inputs, targets, train=False, timeout=max(deadline - time.monotonic(), 0.1)
+                    )
+                    return loss
                 microbatch_id = uuid.uuid4().hex
                 hidden = (*inputs.shape, self.manifest.model.width)
                 x = inputs
@@ -261,23 +367,7 @@ class Trainer:
             timeouts.forward if kind == "forward" else timeouts.backward, max(deadline - time.monotonic(), 0.1)
         )
         request = protocol.make_request(self.manifest, stage, microbatch_id, tensors, train=train, proof=self.proof)
-        if self.local_server is not None and peer_id == self.peer_id:
-            reply = await asyncio.wait_for(self.local_server.handle(kind, request, self.peer_id), timeout)
-        else:
-            reply = await call_stage(self.p2p, peer_id, kind, request, timeout, self.max_elements)
-            self.bytes_sent += request.ByteSize()
-            self.bytes_received += reply.ByteSize()
-            self.traffic.activation_sent += request.ByteSize()
-            self.traffic.activation_received += reply.ByteSize()
-        outputs = protocol.decode_reply(reply, self.max_elements)
-        shapes = [tuple(t.shape) for t in outputs]
-        if shapes != [tuple(e) for e in expect] or any(t.dtype != torch.float32 for t in outputs):
-            raise RemoteStageError(
-                f"malformed reply: expected float32 tensors of shapes {expect}, got {shapes}", "internal"
-            )
-        if not all(protocol.all_finite(t) for t in outputs):
-            raise RemoteStageError("the reply contains NaN or Inf", "internal")
-        return outputs
+        return check_reply(await self._send(peer_id, kind, request, timeout), expect, self.max_elements)
 
     async def _pick(self, stage: int, tried: set[str], samples: int) -> str | None:
         online = online_peers(await self.view.stage(stage), get_dht_time())

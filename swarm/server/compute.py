@@ -37,6 +37,7 @@ from swarm.server.state import (
 from swarm.throughput import FORWARD_SHARE, SimulatedSpeed
 
 ACTIVATION_CACHE_BYTES = 1 << 30
+MAX_LEDGER = 200_000  # forwarded microbatch ids remembered (about 100 bytes each)
 T = TypeVar("T")
 
 
@@ -46,6 +47,14 @@ class WrongStageError(Exception):
 
 class UnknownMicrobatchError(Exception):
     """Backward for a microbatch whose forward is not cached here, sent without inputs to recompute it."""
+
+
+class DuplicateMicrobatchError(Exception):
+    """A train request for a microbatch this peer has in progress or applied already."""
+
+
+class TooLateError(Exception):
+    """The hop's deadline passed before its gradient was applied: nothing was applied (the caller has moved on)."""
 
 
 @dataclass
@@ -90,16 +99,42 @@ class StageCompute:
         self._cache: OrderedDict[tuple[str, str], _CachedForward] = OrderedDict()
         self._stash: list[torch.Tensor] = []  # a copy of the current weights that optimizer steps never modify
         self._stash_version = -1
+        self._apply_before: float | None = None  # of the request being processed (see process)
         self._max_cached = max(8, ACTIVATION_CACHE_BYTES // _activation_bytes_estimate(manifest, stage))
+        self._ledger: OrderedDict[str, float] = OrderedDict()  # forwarded microbatches taken: id -> when it expires
+
+    # ---------------------------------------------------------------------- forwarded microbatches
+
+    def claim(self, microbatch_id: str) -> None:
+        """Take a forwarded microbatch on, once: raises DuplicateMicrobatchError if it is in progress here or its
+        gradient was applied here (within the microbatch deadline), so no gradient is ever applied twice."""
+        now = time.monotonic()
+        while self._ledger and (next(iter(self._ledger.values())) < now or len(self._ledger) > MAX_LEDGER):
+            self._ledger.popitem(last=False)
+        expires = self._ledger.get(microbatch_id)
+        if expires is not None and expires >= now:
+            raise DuplicateMicrobatchError(f"microbatch {microbatch_id} is in progress or applied here already")
+        self._ledger[microbatch_id] = now + 2 * self.manifest.training.timeouts.microbatch
+
+    def settle(self, microbatch_id: str, applied: bool, caller: str) -> None:
+        """A claimed microbatch is done: if its gradient was not applied, it may come again (a retry); its cached
+        forward, if any, is dropped."""
+        if not applied:
+            self._ledger.pop(microbatch_id, None)
+        self._cache.pop((caller, microbatch_id), None)
 
     # ----------------------------------------------------------------------------------- requests
 
-    def process(self, kind: str, req: protocol.StageRequest, caller: str) -> list[torch.Tensor]:
+    def process(
+        self, kind: str, req: protocol.StageRequest, caller: str, apply_before: float | None = None
+    ) -> list[torch.Tensor]:
         """Forward or backward of one decoded request; raises BadRequestError, WrongStageError or
-        UnknownMicrobatchError for requests it cannot serve (nothing changes then)."""
+        UnknownMicrobatchError for requests it cannot serve (nothing changes then). With `apply_before` (a
+        time.monotonic() moment), gradients are applied only before then; after it, TooLateError."""
         if req.stage != self.stage:
             raise WrongStageError(f"this peer serves stage {self.stage} now, not stage {req.stage}")
         self._forget_stale_forwards()
+        self._apply_before = apply_before
         begin = time.perf_counter()
         outputs = self._forward(req, caller) if kind == "forward" else self._backward(req, caller)
         if self.simulated is not None:
@@ -198,6 +233,8 @@ class StageCompute:
         grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
         if not all(g is None or protocol.all_finite(g) for g in grads):
             raise BadRequestError("the request produced non-finite gradients; it was not applied")
+        if self._apply_before is not None and time.monotonic() > self._apply_before:
+            raise TooLateError("the microbatch's deadline at this hop passed before its gradient was applied")
         scale = 1.0 / self.manifest.training.microbatches_per_step
         for param, g in zip(self.params, grads[: len(self.params)]):
             if g is None:

@@ -24,6 +24,7 @@ from swarm.manifest import Manifest
 from swarm.records import PeerState
 from swarm.server.admission import Admission
 from swarm.server.compute import StageCompute, StageWorker, UnknownMicrobatchError, WrongStageError
+from swarm.server.forwarding import Forwarder
 from swarm.stats import Traffic
 from swarm.throughput import PROBE_BYTES
 
@@ -44,8 +45,9 @@ class StageService(ServicerBase):
         worker: StageWorker,
         traffic: Traffic,
         state: Callable[[], PeerState],
+        forwarder: Forwarder,
     ):
-        self.manifest, self.stage = manifest, stage
+        self.manifest, self.stage, self.forwarder = manifest, stage, forwarder
         self.admission, self.worker, self.traffic, self.state = admission, worker, traffic, state
         self.max_elements = protocol.max_request_elements(manifest)
         self.max_message_bytes = protocol.max_message_bytes(manifest)
@@ -59,6 +61,16 @@ class StageService(ServicerBase):
 
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return await self._handle_remote("backward", request, str(context.remote_id))
+
+    async def rpc_train(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """A forwarded microbatch (server/forwarding.py): forward here, on to the next stage, backward here."""
+        return await self._handle_remote("train", request, str(context.remote_id))
+
+    async def rpc_train_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        for part in protocol.split_message(await self._handle_stream("train", requests, context)):
+            yield part
 
     async def rpc_forward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -138,6 +150,8 @@ class StageService(ServicerBase):
 
     async def handle(self, kind: str, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
         """Process one request; also called directly by this peer's own trainer (libp2p cannot dial itself)."""
+        if kind == "train":
+            return await self.forwarder.handle(request, caller)
         admission = self.admission
         if (refusal := admission.refusal(caller, self.state(), self.worker.seconds_per_request)) is not None:
             return refusal

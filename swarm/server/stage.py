@@ -32,6 +32,7 @@ from swarm.records import PeerState, SwarmView
 from swarm.server.admission import Admission
 from swarm.server.announcer import Announcer, PeerFacts
 from swarm.server.compute import StageCompute, StageWorker
+from swarm.server.forwarding import Forwarder
 from swarm.server.rounds import AveragingRounds, RoundCounters
 from swarm.server.service import NAMESPACE, StageService
 from swarm.stats import StageStats, Traffic
@@ -80,7 +81,9 @@ class StageServer:
         self.worker = StageWorker(StageCompute(manifest, stage, model, device, simulated))
         self.admission = Admission(manifest, peer_id)
         self.state = PeerState.JOINING
-        self.service = StageService(manifest, stage, self.admission, self.worker, self.traffic, lambda: self.state)
+        state = lambda: self.state  # noqa: E731
+        self.forwarder = Forwarder(manifest, stage, peer_id, self.admission, self.worker, self.traffic, state)
+        self.service = StageService(manifest, stage, self.admission, self.worker, self.traffic, state, self.forwarder)
         facts = PeerFacts(
             peer_id,
             device_name(device),
@@ -134,6 +137,17 @@ class StageServer:
         """Register the RPC handlers, announce online, and keep announcing, averaging and checkpointing in the
         background. `view` is the peer's shared picture of the swarm (averaging reads the stage's records)."""
         assert self._p2p is not None and self.announcer.dht is not None, "join first"
+        view = (
+            view
+            if view is not None
+            else SwarmView(
+                self.announcer.dht,
+                self.manifest.swarm_id,
+                self.manifest.num_stages,
+                self.manifest.network.announce_period,
+            )
+        )
+        self.forwarder.attach(self._p2p, view)
         await self.service.add_p2p_handlers(self._p2p, namespace=NAMESPACE)
         self._handlers_added = True
         self.state = PeerState.ONLINE
@@ -153,7 +167,7 @@ class StageServer:
         except Exception as e:
             logger.warning(f"announcing offline failed: {e!r}")
         deadline = time.monotonic() + timeout
-        while self.admission.pending > 0 and time.monotonic() < deadline:
+        while (self.admission.pending > 0 or self.forwarder.in_flight > 0) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def shutdown(self, timeout: float = 5.0) -> None:

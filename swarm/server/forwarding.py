@@ -1,0 +1,377 @@
+"""Stage-to-stage forwarding: a train request goes from stage to stage, its gradient comes back the same way.
+
+A trainer sends stage 0 the tokens and targets of a microbatch, with a route (the peers it chose for the later
+stages) and a budget (seconds to reply). Each hop runs forward in its worker, sends its output on to the next
+stage's peer, waits for the reply (the loss and the gradient of its output), runs backward, and replies with the
+loss and the gradient of its own input; the last stage runs forward, loss and backward at once. So activations
+cross each link between consecutive stages once each way, and the trainer's link carries only tokens and a loss.
+
+The guarantees (docs/ARCHITECTURE.md, "Stage-to-stage forwarding"):
+
+- **Nothing waits forever.** A hop's deadline is its arrival plus its budget. It gives the next hop a smaller
+  budget (its own backward and a grace period are kept back) and waits for it at most that budget plus the grace.
+- **A failed hop is routed around from the last stage that holds the activations.** If the next peer fails, is
+  busy or times out, this hop sends the same output to another peer of that stage, while its budget lasts.
+- **No gradient is applied twice.** A peer applies a microbatch's gradient only before its deadline, and its
+  caller moves on to another peer only after that deadline plus the grace period; a peer takes each microbatch
+  once (a repeat gets `duplicate`, which ends the microbatch everywhere upstream, nothing applied).
+- **Every message is validated** like a trainer's request (swarm id, proofs in a private swarm, bans, sizes,
+  shapes, dtypes, finite values), and every reply like a trainer checks one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
+
+from swarm import protocol
+from swarm.errors import BadRequestError, RemoteStageError
+from swarm.manifest import Manifest
+from swarm.records import PeerState, SwarmView
+from swarm.routing import Router, online_peers
+from swarm.server.admission import Admission
+from swarm.server.compute import (
+    DuplicateMicrobatchError,
+    StageCompute,
+    StageWorker,
+    TooLateError,
+    UnknownMicrobatchError,
+    WrongStageError,
+)
+from swarm.stats import Traffic
+
+logger = logging.getLogger(__name__)
+
+MIN_BUDGET = 0.5  # seconds: a hop with less left does not call the next one
+NO_PEER_WAIT = 0.5
+# codes of a next hop's reply that are no fault of that peer: it is not banned for them
+BLAMELESS = ("busy", "wrong_stage", "downstream_failed", "too_late")
+
+
+def grace(budget: float) -> float:
+    """How long a caller waits past a hop's budget before it moves on: the reply's way back, and clock-free slack
+    between 'the callee's deadline passed' and 'the caller gave up' (so a gradient applied in time is never
+    applied again elsewhere)."""
+    return 1.0 + 0.05 * budget
+
+
+def onward_budget(remaining: float, reserve: float, stages_after: int, per_stage: float) -> float:
+    """The budget for the next hop: what is left after this hop's reserve and the grace, capped so that a hop that
+    hangs leaves time to try another peer."""
+    left = remaining - reserve
+    return min(left - grace(left), per_stage * stages_after)
+
+
+class DownstreamFailed(Exception):
+    def __init__(self, message: str, code: str = "downstream_failed"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Forwarded:
+    """A hop's forward, done: what it needs for backward."""
+
+    request: protocol.StageRequest  # its tensors: [inputs, targets]
+    outputs: list[torch.Tensor]
+    compute_seconds: float
+
+
+class Forwarder:
+    """The train requests of one served stage: the hop's compute in the worker, the call to the next stage."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        stage: int,
+        peer_id: str,
+        admission: Admission,
+        worker: StageWorker,
+        traffic: Traffic,
+        state: Callable[[], PeerState],
+    ):
+        self.manifest, self.stage, self.peer_id = manifest, stage, peer_id
+        self.admission, self.worker, self.traffic, self.state = admission, worker, traffic, state
+        self.last = stage == manifest.num_stages - 1
+        self.max_elements = protocol.max_request_elements(manifest)
+        self.proof = manifest.proof(peer_id)
+        self.router = Router()  # this hop's own observations of the next stage's peers
+        self.rng = random.Random()
+        self.p2p: P2P | None = None
+        self.view: SwarmView | None = None
+        self.forwarded = 0  # microbatches this hop passed on and brought back
+        self.rerouted = 0  # next hops that failed and were replaced by another peer of their stage
+        self.too_late = 0  # gradients not applied because the hop's deadline had passed
+        self.duplicates = 0
+        self.in_flight = 0  # train requests being handled (a draining peer waits for them)
+
+    def attach(self, p2p: P2P, view: SwarmView) -> None:
+        """The peer's connection and its picture of the swarm, once it serves."""
+        self.p2p, self.view = p2p, view
+
+    # ------------------------------------------------------------------------------------ one hop
+
+    async def handle(self, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
+        self.in_flight += 1
+        try:
+            return await self._handle(request, caller)
+        finally:
+            self.in_flight -= 1
+
+    async def _handle(self, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
+        arrival = time.monotonic()
+        admission = self.admission
+        if (refusal := admission.refusal(caller, self.state(), self.worker.seconds_per_request)) is not None:
+            return refusal
+        try:
+            metadata = protocol.decode_metadata(request, self.manifest, caller)
+            fields = protocol.decode_fields(metadata, self.manifest)
+            onward = protocol.decode_onward(metadata, self.manifest, fields.stage)
+        except BadRequestError as e:
+            return admission.bad_request(caller, str(e))
+        deadline = arrival + onward.budget
+        forwarded = await self._in_worker(
+            lambda c: _forward(c, request, fields, caller, self.max_elements, deadline), caller
+        )
+        if isinstance(forwarded, runtime_pb2.ExpertResponse):
+            return forwarded
+        if self.last:
+            return self._reply(forwarded.outputs, forwarded.compute_seconds, arrival, [])
+        inputs, targets = forwarded.request.tensors
+        try:
+            outputs, hops = await self._onward(fields, onward, forwarded.outputs[0], targets, deadline)
+        except DownstreamFailed as e:
+            if fields.train:
+                await self.worker.run(lambda c: c.settle(fields.microbatch_id, False, caller))
+            if e.code == "duplicate":
+                self.duplicates += 1
+            return protocol.make_error_reply(f"stage {self.stage}: {e}", e.code)
+        if not fields.train:
+            return self._reply(outputs, forwarded.compute_seconds, arrival, hops)
+        loss, grad = outputs
+        backward = protocol.StageRequest(fields.stage, fields.microbatch_id, True, [grad, inputs])
+        # backward of a forward taken on is never refused: its slot is taken without admission's checks
+        result = await self._in_worker(lambda c: _backward(c, backward, caller, deadline), caller)
+        if isinstance(result, runtime_pb2.ExpertResponse):
+            return result
+        grads, seconds = result
+        self.forwarded += 1
+        return self._reply([loss, *grads], forwarded.compute_seconds + seconds, arrival, hops)
+
+    async def _in_worker(self, fn: Callable[[StageCompute], object], caller: str):
+        """`fn` in the worker under one of the caller's request slots (freed when the work is done); a refusal it
+        returns becomes the reply, a bad request counted against its sender."""
+        self.admission.take_slot(caller)
+        work = self.worker.submit(fn)
+        work.add_done_callback(lambda _: self.admission.release_slot(caller))
+        result = await asyncio.shield(work)
+        if isinstance(result, _Refused):
+            if result.bad_request is not None:
+                logger.info(f"bad train request from {caller[-8:]}: {result.bad_request}")
+                return self.admission.bad_request(caller, result.bad_request)
+            return result.reply
+        return result
+
+    def _reply(
+        self, tensors: list[torch.Tensor], compute: float, arrival: float, later: list[protocol.HopTiming]
+    ) -> runtime_pb2.ExpertResponse:
+        total = time.monotonic() - arrival
+        hops = [[self.peer_id, round(compute, 6), round(max(total, compute), 6)]]
+        hops += [[h.peer_id, h.compute, h.total] for h in later]
+        return protocol.make_reply(tensors, self.manifest.training.activation_compression, hops=hops)
+
+    # ------------------------------------------------------------------------------- the next hop
+
+    async def _onward(
+        self,
+        fields: protocol.StageRequest,
+        onward: protocol.Onward,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        deadline: float,
+    ) -> tuple[list[torch.Tensor], list[protocol.HopTiming]]:
+        """Send the output to a peer of the next stage (the route's, else the best by this hop's observations),
+        and on failure to others, until the budget runs out. The reply's tensors, checked, and its hop timings."""
+        from swarm.client.rpc import call_stage  # the client calls this module's handlers: import on use
+
+        assert self.p2p is not None and self.view is not None, "attach first"
+        following = self.stage + 1
+        stages_after = self.manifest.num_stages - following
+        timeouts = self.manifest.training.timeouts
+        samples = hidden.shape[0]
+        expect = [(), tuple(hidden.shape)] if fields.train else [()]
+        preferred = onward.route[0] if onward.route else None
+        tried: set[str] = set()
+        last_error: Exception | None = None
+        while True:
+            reserve = 1.0 + 3 * self.worker.seconds_per_request  # this hop's backward
+            remaining = deadline - time.monotonic()
+            budget = onward_budget(remaining, reserve, stages_after, timeouts.forward + timeouts.backward)
+            if budget < MIN_BUDGET:
+                raise DownstreamFailed(f"no time left to reach stage {following} (last error: {last_error!r})")
+            peer_id = await self._choose(following, preferred, tried, samples)
+            if peer_id is None:
+                tried.clear()
+                await asyncio.sleep(min(NO_PEER_WAIT, max(remaining - reserve, 0)))
+                continue
+            if tried:
+                self.rerouted += 1
+            tried.add(peer_id)
+            request = protocol.make_request(
+                self.manifest,
+                following,
+                fields.microbatch_id,
+                [hidden, targets],
+                train=fields.train,
+                proof=self.proof,
+                route=onward.route[1:],
+                budget=budget,
+            )
+            self.router.started(peer_id, samples)
+            begin = time.monotonic()
+            try:
+                reply = await call_stage(self.p2p, peer_id, "train", request, budget + grace(budget), self.max_elements)
+                self.traffic.activation_sent += request.ByteSize()
+                self.traffic.activation_received += reply.ByteSize()
+                outputs = check_reply(reply, expect, self.max_elements)
+                hops = protocol.decode_hops(reply, stages_after)
+                took = time.monotonic() - begin
+                here = hops[0] if hops and hops[0].peer_id == peer_id else None
+                # the next peer's time: its compute and the transfer to and from it (not the stages after it)
+                own = took - here.total + here.compute if here is not None else took / stages_after
+                self.router.observed(peer_id, samples, max(own, 1e-6))
+                return outputs, hops
+            except RemoteStageError as e:
+                last_error = e
+                if e.code == "duplicate":
+                    raise DownstreamFailed(f"stage {following} has this microbatch already", "duplicate") from None
+                if e.code not in BLAMELESS:
+                    self._ban(peer_id, f"train on stage {following}: {e}")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # timeouts, connection errors
+                last_error = e
+                self._ban(peer_id, f"train on stage {following} failed: {type(e).__name__}: {e}")
+            finally:
+                self.router.finished(peer_id, samples)
+
+    async def _choose(self, stage: int, preferred: str | None, tried: set[str], samples: int) -> str | None:
+        assert self.view is not None
+        now = time.monotonic()
+        online = online_peers(await self.view.stage(stage), get_dht_time())
+        if preferred is not None and preferred not in tried and not self.router.is_banned(preferred, now):
+            if any(a.peer_id == preferred for a in online):
+                return preferred
+        chosen = self.router.choose(online, samples, now, self.rng, exclude=tried)
+        if chosen is None:
+            online = online_peers(await self.view.stage(stage, force=True), get_dht_time())
+            chosen = self.router.choose(online, samples, now, self.rng, exclude=tried)
+        return None if chosen is None else chosen.peer_id
+
+    def _ban(self, peer_id: str, reason: str) -> None:
+        seconds = self.router.failed(peer_id, time.monotonic())
+        logger.info(f"stage {self.stage}: not sending to {peer_id[-8:]} for {seconds:.0f}s: {reason}")
+
+
+def check_reply(
+    reply: runtime_pb2.ExpertResponse, expect: list[tuple[int, ...]], max_elements: int
+) -> list[torch.Tensor]:
+    """The tensors of a stage's reply, which must be finite float32 tensors of exactly the `expect`ed shapes;
+    raises RemoteStageError otherwise (or for an error reply)."""
+    outputs = protocol.decode_reply(reply, max_elements)
+    shapes = [tuple(t.shape) for t in outputs]
+    if shapes != [tuple(e) for e in expect] or any(t.dtype != torch.float32 for t in outputs):
+        raise RemoteStageError(
+            f"malformed reply: expected float32 tensors of shapes {expect}, got {shapes}", "internal"
+        )
+    if not all(protocol.all_finite(t) for t in outputs):
+        raise RemoteStageError("the reply contains NaN or Inf", "internal")
+    return outputs
+
+
+# --------------------------------------------------------------------------------- in the worker
+
+
+def _forward(
+    compute: StageCompute,
+    request: runtime_pb2.ExpertRequest,
+    fields: protocol.StageRequest,
+    caller: str,
+    max_elements: int,
+    deadline: float,
+) -> _Forwarded | _Refused:
+    """A hop's forward: read the tensors [inputs, targets], take the microbatch on (once), run forward (the last
+    stage: forward, loss and backward). An error reply for what it cannot serve."""
+    begin = time.perf_counter()
+    claimed = False
+    try:
+        req = protocol.decode_tensors(request, fields, max_elements)
+        if len(req.tensors) != 2:
+            raise BadRequestError(f"a train request carries [inputs, targets], got {len(req.tensors)} tensors")
+        inputs, targets = req.tensors
+        protocol.check_inputs(inputs, compute.manifest, compute.stage)
+        protocol.check_targets(targets, inputs, compute.manifest.model.vocab_size)
+        if req.stage != compute.stage:
+            raise WrongStageError(f"this peer serves stage {compute.stage} now, not stage {req.stage}")
+        if req.train:
+            compute.claim(req.microbatch_id)
+            claimed = True
+        tensors = req.tensors if compute.last else [inputs]
+        step = protocol.StageRequest(req.stage, req.microbatch_id, req.train, tensors)
+        outputs = compute.process("forward", step, caller, apply_before=deadline)
+        if compute.last and claimed:
+            compute.settle(req.microbatch_id, True, caller)
+        return _Forwarded(req, outputs, time.perf_counter() - begin)
+    except Exception as e:
+        if claimed:
+            compute.settle(fields.microbatch_id, False, caller)
+        return _error_reply(e)
+
+
+def _backward(
+    compute: StageCompute, req: protocol.StageRequest, caller: str, deadline: float
+) -> tuple[list[torch.Tensor], float] | _Refused:
+    """A hop's backward with the gradient the next stage sent back: ([grad of inputs] or [], seconds)."""
+    begin = time.perf_counter()
+    try:
+        grads = compute.process("backward", req, caller, apply_before=deadline)
+        compute.settle(req.microbatch_id, True, caller)
+        return grads, time.perf_counter() - begin
+    except Exception as e:
+        compute.settle(req.microbatch_id, False, caller)
+        return _error_reply(e)
+
+
+@dataclass
+class _Refused:
+    """What the worker could not do: an error reply, or (bad_request) why the request was bad, which the event
+    loop counts against its sender."""
+
+    reply: runtime_pb2.ExpertResponse | None = None
+    bad_request: str | None = None
+
+
+_CODES = {
+    DuplicateMicrobatchError: "duplicate",
+    TooLateError: "too_late",
+    WrongStageError: "wrong_stage",
+    UnknownMicrobatchError: "unknown_microbatch",
+}
+
+
+def _error_reply(e: Exception) -> _Refused:
+    if isinstance(e, BadRequestError):
+        return _Refused(bad_request=str(e))
+    if type(e) in _CODES:
+        return _Refused(protocol.make_error_reply(str(e), _CODES[type(e)]))
+    logger.exception("a train request failed")
+    return _Refused(protocol.make_error_reply(f"internal error on the stage peer: {type(e).__name__}: {e}", "internal"))

@@ -1,0 +1,157 @@
+"""The emulated links (swarm/emulated_links.py): delay, bandwidth shared by a peer's connections, both ends of a
+connection, byte counts, and specs that do not parse. Real sockets on loopback."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from swarm.emulated_links import EmulatedLinks, LinkSpec
+
+
+class EchoServer:
+    """A TCP server on loopback that sends back what it gets (or, with `sink`, counts and drops it)."""
+
+    def __init__(self, sink: bool = False):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.sink = sink
+        self.received = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(65536):
+                self.received += len(data)
+                if not self.sink:
+                    conn.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def round_trip(port: int, size: int = 100) -> float:
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"x")
+        conn.recv(10)  # the first exchange opens the path
+        begin = time.monotonic()
+        conn.sendall(b"y" * size)
+        got = 0
+        while got < size:
+            got += len(conn.recv(65536))
+        return time.monotonic() - begin
+
+
+def send_all(port: int, size: int, source_port: int | None = None) -> None:
+    conn = socket.socket()
+    if source_port is not None:  # as libp2p dials: from its listening port
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        conn.bind(("127.0.0.1", source_port))
+    with conn:
+        conn.connect(("127.0.0.1", port))
+        conn.sendall(b"z" * size)
+        conn.shutdown(socket.SHUT_WR)
+        conn.recv(1)  # the sink closes when it has read everything
+
+
+def wait_received(server: EchoServer, size: int, timeout: float = 20.0) -> float:
+    begin = time.monotonic()
+    while server.received < size:
+        assert time.monotonic() - begin < timeout, f"only {server.received} of {size} bytes arrived"
+        time.sleep(0.005)
+    return time.monotonic()
+
+
+def test_delay_adds_a_round_trip_of_twice_the_one_way_delay():
+    server = EchoServer()
+    with EmulatedLinks(lifetime=60) as links:
+        plain = round_trip(server.port)
+        relay = links.add("peer", server.port, LinkSpec.parse("unlimited/25ms"))
+        delayed = min(round_trip(relay) for _ in range(3))
+        assert plain < 0.02
+        assert 0.05 <= delayed < 0.08, delayed
+        # the echo came back through the relay: both directions counted
+        assert links.carried()["peer"] == {"up": 101 * 3, "down": 101 * 3}
+    server.close()
+
+
+def test_bandwidth_is_shared_by_all_connections_of_a_peer():
+    server = EchoServer(sink=True)
+    size = 1_250_000  # 10 Mbit
+    with EmulatedLinks(lifetime=60) as links:
+        relay = links.add("peer", server.port, LinkSpec.parse("20mbit/5ms"))
+        begin = time.monotonic()
+        send_all(relay, size)
+        one = time.monotonic() - begin
+        assert 0.45 <= one < 0.8, one  # 10 Mbit at 20 Mbit/s: 0.5 s
+
+        begin = time.monotonic()
+        threads = [threading.Thread(target=send_all, args=(relay, size)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        two = time.monotonic() - begin
+        assert 0.95 <= two < 1.5, two  # twice the bytes through the same downlink: twice the time
+        assert links.carried()["peer"]["down"] == 3 * size
+    server.close()
+
+
+def test_a_connection_from_another_peer_crosses_that_peers_uplink_too():
+    sink = EchoServer(sink=True)
+    sender_port = socket.create_server(("127.0.0.1", 0), reuse_port=True)  # the sender "listens" here
+    size = 500_000
+    with EmulatedLinks(lifetime=60) as links:
+        relay = links.add("receiver", sink.port, LinkSpec.parse("100mbit/1ms"))
+        links.add("sender", sender_port.getsockname()[1], LinkSpec.parse("100mbit:8mbit/1ms"))
+        begin = time.monotonic()
+        send_all(relay, size, source_port=sender_port.getsockname()[1])
+        took = time.monotonic() - begin
+        assert took >= 0.45, took  # 4 Mbit through the sender's 8 Mbit/s uplink, not the receiver's 100 Mbit/s
+        carried = links.carried()
+        assert carried["sender"]["up"] == size and carried["receiver"]["down"] == size
+    sender_port.close()
+    sink.close()
+
+
+def test_relays_stop_by_themselves():
+    server = EchoServer()
+    links = EmulatedLinks(lifetime=0.5)
+    relay = links.add("peer", server.port, LinkSpec())
+    assert round_trip(relay) < 0.05
+    time.sleep(1.0)
+    with pytest.raises(OSError):
+        round_trip(relay)
+    links.close()  # closing again is harmless
+    server.close()
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("20mbit/25ms", LinkSpec(up_bits=20e6, down_bits=20e6, delay=0.025)),
+        ("100mbit:20mbit/50ms/5ms", LinkSpec(up_bits=20e6, down_bits=100e6, delay=0.05, jitter=0.005)),
+        ("unlimited", LinkSpec()),
+        ("500kbit/0.1s", LinkSpec(up_bits=5e5, down_bits=5e5, delay=0.1)),
+    ],
+)
+def test_specs_parse(text, expected):
+    assert LinkSpec.parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "fast", "20mbps", "20mbit/25", "0mbit", "1:2:3mbit", "20mbit/25ms/1ms/2ms"])
+def test_bad_specs_say_what_a_spec_looks_like(text):
+    with pytest.raises(ValueError, match="like|is RATE|rate"):
+        LinkSpec.parse(text)
