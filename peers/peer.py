@@ -44,6 +44,7 @@ examples:
   swarm-peer --join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
       join through any running peer; it hands out the swarm's manifest
   swarm-peer --join my-swarm.json --stage 1 --no-trainer --device cuda
+  swarm-peer --join my-swarm.json --trainer-only
       serve stage 1 on the GPU, without running a trainer (a pinned peer never moves)
   swarm-peer --join my-swarm.json --throughput eval --bandwidth 50
       measure compute throughput again (not from the cache) and take the link as 50 Mbit/s
@@ -83,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--trainer", action=argparse.BooleanOptionalAction, default=True, help="also run a trainer (default: yes)"
+    )
+    parser.add_argument(
+        "--trainer-only",
+        action="store_true",
+        help="only train: feed data through the swarm's stages, serve none (a machine with data but no GPU to spare)",
     )
     parser.add_argument(
         "--host-maddrs",
@@ -181,6 +187,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--threads must be at least 1")
     if args.checkpoint_every < 0:
         parser.error("--checkpoint-every must be 0 (only on exit) or a positive number of seconds")
+    if args.trainer_only and (not args.trainer or args.stage is not None or args.new_swarm):
+        parser.error(
+            "--trainer-only trains and serves no stage: it goes with neither --no-trainer, --stage nor --new-swarm"
+        )
     if args.status_every <= 0:
         parser.error("--status-every must be positive")
     if args.duration is not None and args.duration <= 0:
@@ -347,7 +357,7 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
         reachable=args.reachable,
         maddrs=announceable(maddrs) if args.reachable else (),  # nobody can dial an unreachable peer
     )
-    training = TrainingOptions(enabled=args.trainer, data=args.data, seed=args.seed)
+    training = TrainingOptions(enabled=args.trainer, data=args.data, seed=args.seed, only=args.trainer_only)
 
     def on_switch(server: StageServer) -> None:
         layers = server.layers
@@ -386,19 +396,21 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
 
 def print_progress(rebalancer: Rebalancer, trainer: Trainer | None, as_json: bool) -> None:
     server = rebalancer.server
-    assert server is not None
-    stats = server.stats()
+    stats = server.stats() if server is not None else None  # None: a --trainer-only peer
     trainer_stats = trainer.stats() if trainer is not None else None
     if as_json:
-        status = {**stats.to_dict(), "moves": rebalancer.moves}
+        status = {**stats.to_dict(), "moves": rebalancer.moves} if stats is not None else {"stage": None}
         if trainer_stats is not None:
             status.update(trainer_stats.to_dict())
         print(json.dumps(status), flush=True)
         return
-    line = f"stage {stats.stage}: served {stats.samples_served} samples, {stats.optimizer_steps} optimizer steps"
+    if stats is None:
+        line = "training only"
+    else:
+        line = f"stage {stats.stage}: served {stats.samples_served} samples, {stats.optimizer_steps} optimizer steps"
     if rebalancer.moves:
         line += f" ({rebalancer.moves} moves)"
-    if stats.averaging_rounds or stats.averaging_rounds_failed:
+    if stats is not None and (stats.averaging_rounds or stats.averaging_rounds_failed):
         line += f", averaged {stats.averaging_rounds} rounds"
         if stats.averaging_rounds_failed:
             line += f" ({stats.averaging_rounds_failed} skipped)"

@@ -135,6 +135,7 @@ class EmulatedLinks:
         self._loop = asyncio.new_event_loop()
         self._servers: list[asyncio.base_events.Server] = []
         self._tasks: set[asyncio.Task] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
         self._closed = False
         self._thread = threading.Thread(target=self._loop.run_forever, name="emulated-links", daemon=True)
         self._thread.start()
@@ -186,9 +187,9 @@ class EmulatedLinks:
         async def stop() -> None:
             for server in self._servers:
                 server.close()
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            for writer in list(self._writers):  # their pipes then end by themselves (cancelling them would be noisy)
+                writer.transport.abort()
+            await asyncio.wait(self._tasks, timeout=5) if self._tasks else None
 
         try:
             asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
@@ -211,22 +212,27 @@ class EmulatedLinks:
         source_port = client_writer.get_extra_info("peername")[1]
         source = self._by_port.get(source_port)  # None: a connection from a process that does not listen
         link.connections += 1
+        self._writers.add(client_writer)
         try:
             peer_reader, peer_writer = await asyncio.open_connection(LOOPBACK, link.target_port)
         except OSError:
             client_writer.close()
+            self._writers.discard(client_writer)
             self._tasks.discard(task)
             return
+        self._writers.add(peer_writer)
         try:
             await asyncio.gather(
                 self._pipe(client_reader, peer_writer, sender=source, receiver=link),
                 self._pipe(peer_reader, client_writer, sender=link, receiver=source),
+                return_exceptions=True,
             )
-        except Exception:
+        except BaseException:  # the relays stop: the connection goes with them
             pass
         finally:
             for writer in (client_writer, peer_writer):
                 writer.close()
+                self._writers.discard(writer)
             self._tasks.discard(task)
 
     async def _pipe(

@@ -39,6 +39,7 @@ class TrainingOptions:
     enabled: bool = True
     data: str | None = None  # a text file or folder instead of the manifest's data source
     seed: int | None = None  # of the trainer's data order; None: random
+    only: bool = False  # train only, serve no stage (--trainer-only)
 
 
 class Peer:
@@ -85,9 +86,11 @@ class Peer:
             self.metrics = start_metrics_server(*metrics_address, self.rebalancer, lambda: self.trainer)
 
     async def join(self) -> None:
-        """Choose a stage, take over its state and serve it; then keep balancing, and train if asked to."""
-        await self.rebalancer.start()
-        self._tasks["balancing"] = asyncio.create_task(self.rebalancer.run(self._stop))
+        """Choose a stage, take over its state and serve it; then keep balancing, and train if asked to. A
+        trainer-only peer just trains."""
+        if not self.training.only:
+            await self.rebalancer.start()
+            self._tasks["balancing"] = asyncio.create_task(self.rebalancer.run(self._stop))
         if not self.training.enabled:
             return
         manifest = self.manifest

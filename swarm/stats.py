@@ -48,6 +48,10 @@ class StageStats:
     activation_bytes_received: int
     averaging_bytes_sent: int
     averaging_bytes_received: int
+    forwarded: int = 0  # microbatches this peer passed on to the next stage and brought back
+    rerouted: int = 0  # next hops that failed and were replaced by another peer of their stage
+    too_late: int = 0  # gradients not applied: the hop's deadline had passed
+    duplicates: int = 0  # microbatches refused because a later stage (or this one) had them already
 
     def to_dict(self) -> dict[str, Any]:
         """As the status line prints it."""
@@ -65,6 +69,8 @@ class TrainerStats:
     microbatches: int
     failed_microbatches: int
     unserved_stages: tuple[int, ...]  # stages with no online peer at the last look
+    bytes_sent: int = 0  # to stage peers (tokens, and with the relay pipeline activations), not local calls
+    bytes_received: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """As the status line prints it (JSON has no NaN: None until there is a loss)."""
@@ -74,4 +80,6 @@ class TrainerStats:
             "trainer_samples": self.samples,
             "trainer_failed_microbatches": self.failed_microbatches,
             "unserved_stages": list(self.unserved_stages),
+            "trainer_bytes_sent": self.bytes_sent,
+            "trainer_bytes_received": self.bytes_received,
         }

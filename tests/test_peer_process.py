@@ -265,7 +265,8 @@ def test_large_activations_go_by_stream(start_peer, write_manifest):
     manifest = manifest_from_dict(raw)
     activation_bytes = 32 * 64 * 512 * 4
     assert protocol.needs_stream(activation_bytes, 32 * 64 * 512)
-    flags = ("--no-trainer", "--throughput", "100", "--bandwidth", "1000")  # no measurements of this model
+    # no measurements of this model; status lines every second (stage 0's bytes are read from them)
+    flags = ("--no-trainer", "--throughput", "100", "--bandwidth", "1000", "--status-every", "1")
     first = start_peer(write_manifest(raw), "--stage", "0", *flags)
     raw["initial_peers"] = [first.maddr()]
     last = start_peer(write_manifest(raw, "joined.json"), "--stage", "1", *flags)
@@ -288,8 +289,13 @@ def test_large_activations_go_by_stream(start_peer, write_manifest):
 
         trainer, error = asyncio.run(run())
         assert trainer.samples == 32 * 3 and trainer.failed_microbatches == 0
-        # forward out, forward in, gradient back, gradient in: four activation-sized messages per microbatch
-        assert trainer.bytes_sent + trainer.bytes_received > 3 * 4 * activation_bytes
+        # stage 0 sent its activations on to stage 1 and got their gradient back, by stream: two activation-sized
+        # messages per microbatch; the trainer's own link carried only tokens and losses
+        line = first.wait_for_json(lambda s: s.get("forwarded", 0) >= 3, timeout=20)
+        assert line["forwarded"] == 3
+        assert line["activation_bytes_sent"] > 3 * activation_bytes
+        assert line["activation_bytes_received"] > 3 * activation_bytes
+        assert trainer.bytes_sent + trainer.bytes_received < 3 * 32 * 64 * 8 * 3
         assert error.code == "bad_request"
         assert last.process.poll() is None
     finally:

@@ -410,6 +410,8 @@ class Trainer:
             microbatches=self.microbatches,
             failed_microbatches=self.failed_microbatches,
             unserved_stages=tuple(sorted(self.unserved_stages)),
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
         )
 
     async def _report_forever(self) -> None:

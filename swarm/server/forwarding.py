@@ -175,6 +175,8 @@ class Forwarder:
         work.add_done_callback(lambda _: self.admission.release_slot(caller))
         result = await asyncio.shield(work)
         if isinstance(result, _Refused):
+            self.too_late += result.code == "too_late"
+            self.duplicates += result.code == "duplicate"
             if result.bad_request is not None:
                 logger.info(f"bad train request from {caller[-8:]}: {result.bad_request}")
                 return self.admission.bad_request(caller, result.bad_request)
@@ -358,6 +360,7 @@ class _Refused:
 
     reply: runtime_pb2.ExpertResponse | None = None
     bad_request: str | None = None
+    code: str = ""
 
 
 _CODES = {
@@ -372,6 +375,6 @@ def _error_reply(e: Exception) -> _Refused:
     if isinstance(e, BadRequestError):
         return _Refused(bad_request=str(e))
     if type(e) in _CODES:
-        return _Refused(protocol.make_error_reply(str(e), _CODES[type(e)]))
+        return _Refused(protocol.make_error_reply(str(e), _CODES[type(e)]), code=_CODES[type(e)])
     logger.exception("a train request failed")
     return _Refused(protocol.make_error_reply(f"internal error on the stage peer: {type(e).__name__}: {e}", "internal"))
