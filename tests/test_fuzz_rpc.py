@@ -78,13 +78,14 @@ FORWARD = handle_name(StageService, NAMESPACE, "rpc_forward")
 BACKWARD = handle_name(StageService, NAMESPACE, "rpc_backward")
 FORWARD_STREAM = handle_name(StageService, NAMESPACE, "rpc_forward_stream")
 BACKWARD_STREAM = handle_name(StageService, NAMESPACE, "rpc_backward_stream")
+TRAIN = handle_name(StageService, NAMESPACE, "rpc_train")
 PROBE = handle_name(StageService, NAMESPACE, "rpc_probe")
 DOWNLOAD_STATE = handle_name(StageService, NAMESPACE, "rpc_download_state")
 MANIFEST_RPC = handle_name(StageService, NAMESPACE, "rpc_manifest")
 CHECK = f"{REACHABILITY_NAMESPACE}::ReachabilityService.rpc_check"
 STAGE_UNARY = (FORWARD, BACKWARD, PROBE)
 # outcomes after which the peer does not count a bad request against the sender
-NOT_COUNTED = {"ok", "busy", "unknown_microbatch", "wrong_stage", "unparsed"}
+NOT_COUNTED = {"ok", "busy", "unknown_microbatch", "wrong_stage", "unparsed", "downstream_failed"}
 
 # ------------------------------------------------------------------------------------------ requests
 
@@ -126,7 +127,14 @@ def raw_tensor(dtype: str, size: list[int], buffer: bytes, compression: int = NO
 def might_change_weights(data: bytes, method: str, stage: int) -> bool:
     """Whether the peer might apply this request to its weights: a valid training forward (on stage 0 its cached
     activations would let a later backward apply), or a valid backward with inputs on stage 0. Such cases are
-    never sent, so that the peers' parameters must stay exactly as they were."""
+    never sent, so that the peers' parameters must stay exactly as they were. A train request (forwarding) that
+    trains and whose metadata is valid is assumed to change them."""
+    if method == TRAIN:
+        try:
+            meta = protocol.decode_metadata(runtime_pb2.ExpertRequest.FromString(data), MANIFEST, sender="fuzz")
+            return protocol.decode_fields(meta, MANIFEST).train
+        except Exception:
+            return False
     if method not in (FORWARD, BACKWARD) or (method == BACKWARD and stage == LAST):
         return False
     try:
@@ -858,6 +866,57 @@ def test_bad_metadata(swarm: Swarm):
             else {"bad_request"}
         )
         clients.unary(FIRST, BACKWARD, data, f"rpc_backward: metadata {label}", expected)
+    swarm.alive()
+
+
+def train_request(stage: int, tensors: list | None = None, **fields: Any) -> bytes:
+    """A train request (stage-to-stage forwarding) that does not train: valid unless `fields` or `tensors` say
+    otherwise."""
+    tensors = tensors if tensors is not None else ([tokens()] if stage == FIRST else [hidden()]) + [tokens()]
+    meta = metadata(stage=stage, **{"budget": 10.0, "route": [], **fields})
+    return make_request(tensors, {k: v for k, v in meta.items() if v is not DELETE}).SerializeToString()
+
+
+@integration
+def test_bad_train_requests(swarm: Swarm):
+    """rpc_train (a microbatch forwarded from stage to stage): bad routes, budgets, tensors; a valid one that does
+    not train is served; one for another stage is refused. (The two peers are swarms of their own: stage 0 finds
+    no stage 1 to pass a microbatch on to, and says so at once when its budget leaves no time to look.)"""
+    clients = swarm.clients
+    last_peer = str(clients.targets[LAST])
+    assert clients.unary(LAST, TRAIN, train_request(LAST), "rpc_train stage 1: valid, no training") == "ok"
+    unknown = "12D3KooW" + "A" * 44  # nobody announces it: the hop does not dial a peer just because a route says so
+    for route in ([], [last_peer], [unknown]):
+        label = f"rpc_train stage 0: valid, route {route}"
+        data = train_request(FIRST, route=route, budget=2.0)
+        clients.unary(FIRST, TRAIN, data, label, {"downstream_failed"})
+    bad_fields = {
+        "route": [None, "peer", 5, [5], [""], ["x" * 200], [last_peer, last_peer], {"0": last_peer}],
+        "budget": [DELETE, None, 0, -1, "10", True, float("nan"), float("inf"), 1e9, [10]],
+    }
+    for key, values in bad_fields.items():
+        for value in values:
+            for stage in (FIRST, LAST):
+                if key == "route" and stage == LAST and value in ([], None):
+                    continue
+                label = f"rpc_train stage {stage}: {key} {repr(value)[:30]}"
+                clients.unary(stage, TRAIN, train_request(stage, **{key: value}), label, {"bad_request"})
+    tensor_cases = [
+        ("no targets", FIRST, [tokens()]),
+        ("no tensors", LAST, []),
+        ("three tensors", LAST, [hidden(), tokens(), tokens()]),
+        ("hidden states to stage 0", FIRST, [hidden(), tokens()]),
+        ("tokens to stage 1", LAST, [tokens(), tokens()]),
+        ("targets of another shape", LAST, [hidden(), tokens(length=LENGTH + 1)]),
+        ("token ids out of range", FIRST, [tokens() + VOCAB, tokens()]),
+        ("NaN hidden states", LAST, [with_value(hidden(), float("nan")), tokens()]),
+        ("a batch too large", FIRST, [tokens(batch=1000), tokens(batch=1000)]),
+    ]
+    for label, stage, tensors in tensor_cases:
+        clients.unary(stage, TRAIN, train_request(stage, tensors), f"rpc_train: {label}", {"bad_request"})
+    # meant for the other stage: the peer has moved (or the caller's view is old); nothing is applied
+    tensors = [hidden(), tokens()]
+    clients.unary(FIRST, TRAIN, train_request(LAST, tensors), "rpc_train: for stage 1, at stage 0", {"wrong_stage"})
     swarm.alive()
 
 

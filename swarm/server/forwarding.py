@@ -319,11 +319,11 @@ def _forward(
         req = protocol.decode_tensors(request, fields, max_elements)
         if len(req.tensors) != 2:
             raise BadRequestError(f"a train request carries [inputs, targets], got {len(req.tensors)} tensors")
+        if req.stage != compute.stage:
+            raise WrongStageError(f"this peer serves stage {compute.stage} now, not stage {req.stage}")
         inputs, targets = req.tensors
         protocol.check_inputs(inputs, compute.manifest, compute.stage)
         protocol.check_targets(targets, inputs, compute.manifest.model.vocab_size)
-        if req.stage != compute.stage:
-            raise WrongStageError(f"this peer serves stage {compute.stage} now, not stage {req.stage}")
         if req.train:
             compute.claim(req.microbatch_id)
             claimed = True
