@@ -32,6 +32,7 @@ import asyncio
 import collections
 import random
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -162,6 +163,15 @@ class EmulatedLinks:
         self._links[name] = link
         self._by_port[target_port] = link
         return port
+
+    def peer_flags(self, name: str, spec: LinkSpec) -> list[str]:
+        """swarm-peer flags that put a peer behind a new link `name`: it listens on a free loopback port, and
+        announces the relay's (later flags win over earlier ones of the same name)."""
+        with socket.socket() as probe:  # a free port for the peer (it binds it moments later)
+            probe.bind((LOOPBACK, 0))
+            port = probe.getsockname()[1]
+        relay = self.add(name, port, spec)
+        return ["--host-maddrs", f"/ip4/{LOOPBACK}/tcp/{port}", "--announce-maddrs", f"/ip4/{LOOPBACK}/tcp/{relay}"]
 
     def set_spec(self, name: str, spec: LinkSpec) -> None:
         """Change a link while it runs (for example to make a peer's link worse mid-run)."""

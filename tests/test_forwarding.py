@@ -1,0 +1,79 @@
+"""Stage-to-stage forwarding with real peer processes, each behind an emulated home link
+(swarm/emulated_links.py): the trainer's link carries tokens, not activations; a stage peer killed mid-training is
+routed around, and no stage applies a microbatch twice."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import tiny_manifest_dict
+from swarm.emulated_links import EmulatedLinks, LinkSpec
+from swarm.manifest import manifest_from_dict
+
+pytestmark = pytest.mark.integration
+
+LINK = LinkSpec.parse("100mbit/5ms")  # fast enough for a short test, slow enough to be a link
+BATCH, LENGTH, WIDTH = 8, 32, 64
+
+
+def last_status(peer) -> dict:
+    return peer.status_lines()[-1]
+
+
+@pytest.mark.slow(60)
+def test_three_stages_forward_around_a_killed_hop_and_the_trainers_link_carries_no_activations(
+    start_peer, write_manifest
+):
+    raw = tiny_manifest_dict(
+        model={"depth": 3},
+        stages={"count": 3},
+        training={"max_in_flight": 4, "microbatches_per_step": 2},
+        averaging={"mode": "none"},
+    )
+    status = ("--status-every", "1")
+    with EmulatedLinks(lifetime=300) as links:
+        first = start_peer(write_manifest(raw), "--stage", "0", "--no-trainer", *status, *links.peer_flags("s0", LINK))
+        raw["initial_peers"] = [first.maddr()]
+        assert manifest_from_dict(raw).num_stages == 3
+        path = write_manifest(raw, "joined.json")
+        middle = [
+            start_peer(path, "--stage", "1", "--no-trainer", *status, *links.peer_flags(f"s1-{i}", LINK))
+            for i in range(2)
+        ]
+        last = start_peer(path, "--stage", "2", "--no-trainer", *status, *links.peer_flags("s2", LINK))
+        for peer in (first, *middle, last):
+            peer.wait_for("serving stage", timeout=90)
+        trainer = start_peer(path, "--trainer-only", *status, *links.peer_flags("trainer", LINK))
+
+        # 1. it trains through forwarding, and the trainer's own link carries no activations
+        trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= 40 * BATCH, timeout=120)
+        carried, trained = links.carried(), last_status(trainer)["trainer_samples"]
+        activation = LENGTH * WIDTH * 4  # bytes of one sample's activations (or their gradient) between stages
+        trainer_link = (carried["trainer"]["up"] + carried["trainer"]["down"]) / trained
+        middle_link = sum(carried[f"s1-{i}"]["up"] + carried[f"s1-{i}"]["down"] for i in range(2)) / trained
+        assert trainer_link < 0.25 * activation, (trainer_link, activation)
+        # a stage-1 peer receives activations and sends them on, receives their gradient and sends one back
+        assert middle_link > 3.5 * activation, (middle_link, activation)
+        assert last_status(trainer)["trainer_bytes_sent"] <= carried["trainer"]["up"]
+        assert last_status(trainer)["stage"] is None  # a trainer-only peer serves no stage
+
+        # 2. a stage-1 peer dies mid-training: stage 0 sends its microbatches on to the other one
+        before = last_status(trainer)["trainer_samples"]
+        middle[0].kill()
+        killed = time.monotonic()
+        trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= before + 30 * BATCH, timeout=60)
+        assert time.monotonic() - killed < 60
+        trainer.stop()
+
+        # 3. nothing applied twice: every microbatch stage 0 applied passed stage 2 exactly once; a microbatch stage
+        # 2 applied whose way back was cut by the kill is refused as a duplicate when it comes again (dropped)
+        time.sleep(3)  # the last status lines of the stage peers, after the trainer's last microbatch
+        s0, s2, trainer_end = last_status(first), last_status(last), trainer.status_lines()[-1]
+        assert s0["rerouted"] >= 1, s0
+        assert s2["samples_served"] - s0["samples_served"] == BATCH * s0["duplicates"], (s0, s2)
+        assert s0["duplicates"] <= 1 and trainer_end["trainer_failed_microbatches"] <= 1, (s0, trainer_end)
+        # the trainer counts what came back; what was in flight when it stopped was applied but not counted
+        assert 0 <= s0["samples_served"] - trainer_end["trainer_samples"] <= 4 * BATCH, (s0, trainer_end)
+        assert middle[1].process.poll() is None and first.process.poll() is None
