@@ -48,6 +48,7 @@ class Timeouts:
 
 
 PIPELINES = ("forward", "relay")
+ROUTINGS = ("network_aware", "compute_only")
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,15 @@ class TrainingConfig:
     # microbatches a trainer keeps in flight; more pipelines better but makes stage 0's gradients staler, which
     # costs more loss than it gains when a swarm has many trainers (docs/BENCHMARKS.md, convergence)
     max_in_flight: int = 1
+    # with the forward pipeline, the number in flight adapts to the route (swarm/client/window.py), up to
+    # max_in_flight; false: always max_in_flight
+    adaptive_window: bool = True
     activation_compression: str = "float32"
     # forward: stages send activations to each other (server/forwarding.py); relay: the trainer carries them
     # between stages (the protocol before issue 14, kept to compare against)
     pipeline: str = "forward"
+    # network_aware: routes count the transfers between hops (latency and bandwidth); compute_only: they do not
+    routing: str = "network_aware"
     timeouts: Timeouts = field(default_factory=Timeouts)
 
 
@@ -231,8 +237,10 @@ def manifest_from_dict(raw: Any) -> Manifest:
         # clipping bounds what one (possibly hostile) gradient can do to the weights: it cannot be turned off
         max_grad_norm=t.number("max_grad_norm", minimum=1e-6),
         max_in_flight=t.integer("max_in_flight", minimum=1, maximum=1024),
+        adaptive_window=t.boolean("adaptive_window"),
         activation_compression=t.choice("activation_compression", COMPRESSIONS),
         pipeline=t.choice("pipeline", PIPELINES),
+        routing=t.choice("routing", ROUTINGS),
         timeouts=timeouts,
     )
     t.no_unknown()

@@ -17,6 +17,7 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 
+from swarm.client.pinger import Pinger
 from swarm.client.trainer import Trainer
 from swarm.data import TextData, trainer_shard
 from swarm.events import OnEvent, ignore
@@ -82,6 +83,9 @@ class Peer:
         if not self.serving.reachable:
             connector = ReverseConnector(self.p2p, self.rebalancer.view, self.peer_id, CONNECT_PERIOD)
             self._tasks["connector"] = asyncio.create_task(connector.run(self._stop))
+        # this peer's network coordinate: announced by its stage server, used by its trainer's routes
+        pinger = Pinger(self.manifest, self.p2p, self.rebalancer.view, self.peer_id, self.rebalancer.position)
+        self._tasks["pinger"] = asyncio.create_task(pinger.run(self._stop))
         if metrics_address is not None:
             self.metrics = start_metrics_server(*metrics_address, self.rebalancer, lambda: self.trainer)
 
@@ -109,6 +113,7 @@ class Peer:
             view=self.rebalancer.view,
             traffic=self.rebalancer.traffic,
             reachable=self.serving.reachable,
+            position=self.rebalancer.position,
         )
         self._tasks["training"] = asyncio.create_task(self.trainer.train(data.train, self._stop))
 
@@ -122,7 +127,11 @@ class Peer:
     async def shutdown(self) -> None:
         """Stop everything, each step bounded: on Ctrl-C the DHT process and p2p daemon may already be gone."""
         self._stop.set()
-        for name in ("balancing", "connector"):  # a move in progress (a state download) must not delay the exit
+        for name in (
+            "balancing",
+            "connector",
+            "pinger",
+        ):  # a move in progress (a state download) must not delay the exit
             if name in self._tasks:
                 self._tasks[name].cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)

@@ -10,8 +10,12 @@ Forward request:   tensors [inputs] or, on the last stage, [inputs, targets]; me
 Forward reply:     [outputs] on other stages; on the last stage [loss] or, when training, [loss, grad_inputs].
 Backward request:  tensors [grad_outputs] or [grad_outputs, inputs] (inputs let any peer recompute forward).
 Backward reply:    [grad_inputs], or no tensor on stage 0 (its inputs are tokens).
+Train request:     (stage-to-stage forwarding, server/forwarding.py) tensors [inputs, targets]; metadata also
+                   {route: peer ids of the later stages, budget: seconds to reply}.
+Train reply:       [loss] on stage 0, [loss, grad_inputs] on other stages (only [loss] when not training);
+                   metadata {hops: [[peer id, compute seconds, total seconds], ...]}, this hop first.
 Error reply:       no tensors; metadata {error: message, code: bad_request | busy | banned |
-                   unknown_microbatch | wrong_stage | internal}.
+                   unknown_microbatch | wrong_stage | internal | downstream_failed | duplicate | too_late}.
 
 Every request names the stage it is meant for: a peer that has moved to another stage answers `wrong_stage`
 instead of applying, say, a gradient of stage 1 to the weights of stage 2 (their shapes can be equal).

@@ -18,6 +18,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from swarm import PROTOCOL_VERSION, __version__
+from swarm.coordinates import Coordinate
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Announcement:
     averaging_bytes_received: int = 0
     reachable: bool = True  # False: others cannot dial it (NAT, firewall); it dials them (swarm/server/reachability.py)
     maddrs: tuple[str, ...] = ()  # where to dial it; an unreachable peer dials these of the others
+    coordinate: Coordinate | None = None  # its network coordinate (swarm/coordinates.py); None: not announced
     version: str = __version__
     protocol_version: int = PROTOCOL_VERSION
     expiration: float = 0.0  # filled in when read from the DHT
@@ -101,6 +103,7 @@ class Announcement:
         record = asdict(self)
         record.pop("expiration")
         record["state"] = str(self.state)  # a plain string on the wire
+        record["coordinate"] = self.coordinate.to_record() if self.coordinate is not None else None
         return record
 
 
@@ -151,6 +154,7 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
             averaging_bytes_received=_count(record["averaging_bytes_received"]),
             reachable=_flag(record.get("reachable", True)),  # optional: added to protocol 3 later
             maddrs=_addresses(record.get("maddrs", [])),
+            coordinate=None if record.get("coordinate") is None else Coordinate.from_record(record["coordinate"]),
             version=_printable(record["version"]),
             expiration=float(expiration),
         )

@@ -1,5 +1,14 @@
-"""Trainer-side choice of a peer per stage: least expected time to finish, with bans (pure logic, no I/O).
+"""Trainer-side choice of a route (one peer per stage) or of one peer: least expected time, with bans (pure logic).
 
+A route's expected time (`Router.choose_route`) adds, hop by hop, the queueing and compute at each peer
+((samples outstanding there + the new ones) x its compute seconds per sample, from the hop timings of replies)
+and the transfer between consecutive hops: the transfer this router observed between those two peers (an EMA),
+or else an estimate: the round trip between their network coordinates (swarm/coordinates.py) plus the samples
+over the slower end's announced network throughput. The best route is found exactly, stage by stage (a shortest
+path through the stages' peers). With `network_aware=False` the transfers count for nothing (latency-blind, to
+compare against).
+
+For one stage alone (`Router.choose`, used by a hop that reroutes and by the relay pipeline):
 For each stage the trainer sends a microbatch to the online peer that would finish it soonest by the trainer's
 own observations: (samples it has outstanding at that peer + the new ones) x the peer's seconds per sample, an
 EMA of the forward calls the trainer timed. A peer the trainer has not timed yet is assumed as fast as the
@@ -14,7 +23,10 @@ import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from swarm.coordinates import Coordinate, round_trip
 from swarm.records import Announcement, PeerState
+
+ORIGIN = ""  # the trainer itself, as the first end of the transfer to stage 0
 
 EMA_WEIGHT = 0.2  # weight of the newest observation in the seconds-per-sample EMA
 BASE_BAN = 5.0
@@ -32,14 +44,96 @@ class PeerRecord:
     """What one trainer knows of one peer from its own calls."""
 
     seconds_per_sample: float | None = None  # EMA; None until the first timed call
+    compute_per_sample: float | None = None  # EMA of its compute alone (from hop timings)
     outstanding: int = 0  # samples sent to it whose work there is not finished
     failures: int = 0  # consecutive failures
     banned_until: float = 0.0
 
 
 class Router:
-    def __init__(self) -> None:
+    def __init__(self, network_aware: bool = True) -> None:
         self.peers: dict[str, PeerRecord] = {}
+        self.network_aware = network_aware
+        self.transfers: dict[tuple[str, str], float] = {}  # (from, to) -> EMA of a transfer's seconds, both ways
+
+    def choose_route(
+        self,
+        stages: Sequence[Sequence[Announcement]],
+        samples: int,
+        now: float,
+        rng: random.Random,
+        exclude_first: Collection[str] = (),
+        origin: Coordinate | None = None,
+    ) -> list[Announcement]:
+        """The route (one announcement per stage, in order) with the least expected time for `samples` samples.
+        It ends before the first stage with no allowed peer (a hop chooses there itself); [] if stage 0 has none.
+        Ties are broken at random."""
+        best: dict[str, tuple[float, list[Announcement]]] = {ORIGIN: (0.0, [])}
+        ends: dict[str, Announcement | None] = {ORIGIN: None}
+        for index, candidates in enumerate(stages):
+            exclude = exclude_first if index == 0 else ()
+            allowed = [a for a in candidates if a.peer_id not in exclude and not self.is_banned(a.peer_id, now)]
+            if not allowed:
+                break
+            rng.shuffle(allowed)  # ties go to whichever comes first
+            timed = [c for a in allowed if (r := self.peers.get(a.peer_id)) and (c := self._compute(r)) is not None]
+            fastest = min(timed) if timed else None
+            step: dict[str, tuple[float, list[Announcement]]] = {}
+            for ann in allowed:
+                node = self._node_time(ann, samples, fastest)
+                options = [
+                    (cost + self._transfer_time(ends[prev], ann, samples, origin), path)
+                    for prev, (cost, path) in best.items()
+                ]
+                cost, path = min(options, key=lambda option: option[0])
+                step[ann.peer_id] = (cost + node, [*path, ann])
+            best = step
+            ends = {a.peer_id: a for a in allowed}
+        if not any(path for _, path in best.values()):
+            return []
+        return min(best.values(), key=lambda option: option[0])[1]
+
+    def _compute(self, record: PeerRecord) -> float | None:
+        return record.compute_per_sample if self.network_aware else record.seconds_per_sample
+
+    def _node_time(self, ann: Announcement, samples: int, fastest_known: float | None) -> float:
+        record = self.peers.get(ann.peer_id) or PeerRecord()
+        per_sample = self._compute(record)
+        if per_sample is None:
+            rate = ann.compute_throughput if self.network_aware and ann.compute_throughput > 0 else ann.throughput
+            per_sample = fastest_known if fastest_known is not None else 1.0 / max(rate, MIN_THROUGHPUT)
+        return (record.outstanding + samples) * per_sample
+
+    def _transfer_time(
+        self, source: Announcement | None, target: Announcement, samples: int, origin: Coordinate | None
+    ) -> float:
+        """Expected seconds to send `samples` from `source` (None: the trainer) to `target` and back."""
+        if not self.network_aware:
+            return 0.0
+        key = (source.peer_id if source is not None else ORIGIN, target.peer_id)
+        if key in self.transfers:
+            return self.transfers[key]
+        start = source.coordinate if source is not None else origin
+        latency = 0.0
+        if start is not None and start.known and target.coordinate is not None and target.coordinate.known:
+            latency = round_trip(start, target.coordinate)
+        if source is None:  # tokens to stage 0: latency only
+            return latency
+        rates = [r for r in (source.network_throughput, target.network_throughput) if r > 0]
+        return latency + (samples / min(rates) if rates else 0.0)
+
+    def observed_hop(self, source: str, peer_id: str, samples: int, compute: float, transfer: float) -> None:
+        """A reply's timing of one hop: the peer's compute, and the transfer to it from `source` and back."""
+        record = self.record(peer_id)
+        per_sample = max(compute, 1e-6) / max(samples, 1)
+        if record.compute_per_sample is None:
+            record.compute_per_sample = per_sample
+        else:
+            record.compute_per_sample += EMA_WEIGHT * (per_sample - record.compute_per_sample)
+        key = (source, peer_id)
+        previous = self.transfers.get(key)
+        self.transfers[key] = transfer if previous is None else previous + EMA_WEIGHT * (transfer - previous)
+        self.observed(peer_id, samples, compute + transfer)
 
     def record(self, peer_id: str) -> PeerRecord:
         return self.peers.setdefault(peer_id, PeerRecord())
@@ -108,3 +202,4 @@ class Router:
     def forget(self, keep: Collection[str]) -> None:
         """Drop what is known of peers no longer announced (records of peers long gone would pile up)."""
         self.peers = {p: r for p, r in self.peers.items() if p in keep or r.outstanding > 0}
+        self.transfers = {k: v for k, v in self.transfers.items() if k[1] in self.peers}

@@ -71,6 +71,8 @@ class TrainerStats:
     unserved_stages: tuple[int, ...]  # stages with no online peer at the last look
     bytes_sent: int = 0  # to stage peers (tokens, and with the relay pipeline activations), not local calls
     bytes_received: int = 0
+    window: int = 1  # microbatches it keeps in flight now (swarm/client/window.py)
+    round_trip: float = 0.0  # recent seconds from sending a microbatch to its loss coming back
 
     def to_dict(self) -> dict[str, Any]:
         """As the status line prints it (JSON has no NaN: None until there is a loss)."""
@@ -82,4 +84,6 @@ class TrainerStats:
             "unserved_stages": list(self.unserved_stages),
             "trainer_bytes_sent": self.bytes_sent,
             "trainer_bytes_received": self.bytes_received,
+            "trainer_window": self.window,
+            "trainer_round_trip": round(self.round_trip, 4),
         }

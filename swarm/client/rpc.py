@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from typing import AsyncIterator  # noqa: UP035 (hivemind detects streams by typing.AsyncIterator only)
 
 import torch
@@ -95,6 +96,15 @@ async def probe_bandwidth(p2p: P2P, peer_id: str, manifest: Manifest, timeout: f
         protocol.decode_reply(await stub.rpc_probe(request, timeout=timeout), PROBE_BYTES // 4)
 
     return await asyncio.wait_for(measure_bandwidth(exchange), timeout=4 * timeout)
+
+
+async def ping(p2p: P2P, peer_id: str, manifest: Manifest, timeout: float = 5.0) -> float:
+    """The round trip to `peer_id` in seconds: an empty bandwidth probe (its reply carries no payload)."""
+    stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+    request = protocol.make_control_request(manifest, manifest.proof(str(p2p.peer_id)), reply_bytes=0)
+    begin = time.monotonic()
+    protocol.decode_reply(await stub.rpc_probe(request, timeout=timeout), 1)
+    return time.monotonic() - begin
 
 
 TRUNCATED_STATE_ATTEMPTS = 3

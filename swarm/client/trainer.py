@@ -26,11 +26,13 @@ from hivemind.utils import get_dht_time
 
 from swarm import protocol
 from swarm.client.rpc import call_stage
+from swarm.client.window import AdaptiveWindow
+from swarm.coordinates import Vivaldi
 from swarm.data import sample_batch
 from swarm.errors import MicrobatchFailedError, RemoteStageError
 from swarm.manifest import Manifest
 from swarm.records import SwarmView, TrainerReport, announceable, announcement_lifetime, store_trainer_report
-from swarm.routing import Router, online_peers
+from swarm.routing import ORIGIN, Router, online_peers
 from swarm.server.forwarding import BLAMELESS, MIN_BUDGET, check_reply, grace, onward_budget
 from swarm.server.stage import StageServer
 from swarm.stats import Traffic, TrainerStats
@@ -59,6 +61,7 @@ class Trainer:
         view: SwarmView | None = None,
         traffic: Traffic | None = None,
         reachable: bool = True,
+        position: Vivaldi | None = None,
     ):
         self.manifest = manifest
         self.reachable = reachable  # others can dial it: its reports carry its addresses
@@ -73,7 +76,10 @@ class Trainer:
         )
         self.rng = random.Random(seed)
         self.max_elements = protocol.max_request_elements(manifest)
-        self.router = Router()
+        adaptive = manifest.training.adaptive_window and manifest.training.pipeline == "forward"
+        self.window = AdaptiveWindow(manifest.training.max_in_flight, adaptive)  # microbatches in flight
+        self.router = Router(network_aware=manifest.training.routing == "network_aware")
+        self.position = position  # this peer's network coordinate (client/pinger.py keeps it), for route estimates
         self.unserved_stages: set[int] = set()  # stages with no online peer at the last look
         self.samples = 0
         self.microbatches = 0
@@ -92,7 +98,7 @@ class Trainer:
         tasks: set[asyncio.Task] = set()
         try:
             while not stop.is_set() and (max_samples is None or self.samples < max_samples):
-                while len(tasks) < training.max_in_flight:
+                while len(tasks) < self.window.size:
                     batch = sample_batch(tokens, training.microbatch_size, self.manifest.model.context_length, data_rng)
                     tasks.add(asyncio.create_task(self._train_microbatch(*batch)))
                 done, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
@@ -110,6 +116,7 @@ class Trainer:
             loss, samples = task.result()
         except MicrobatchFailedError as e:
             self.failed_microbatches += 1
+            self.window.failed()
             logger.warning(f"microbatch dropped: {e}")
             return
         except Exception:
@@ -169,7 +176,10 @@ class Trainer:
             try:
                 reply = await self._send(route[0], "train", request, budget + grace(budget))
                 (loss,) = check_reply(reply, [()], self.max_elements)
-                self._learn(protocol.decode_hops(reply, stages), time.monotonic() - begin, samples)
+                took = time.monotonic() - begin
+                self._learn(protocol.decode_hops(reply, stages), took, samples)
+                if train:
+                    self.window.observe(took, time.monotonic())
                 return float(loss), samples
             except RemoteStageError as e:
                 last_error = e
@@ -187,22 +197,30 @@ class Trainer:
                     self.router.finished(peer_id, samples)
 
     async def _route(self, samples: int, tried: set[str]) -> list[str]:
-        """One peer per stage, each the one expected to finish soonest; it stops before a stage without peers
-        (a hop chooses itself there) and is empty if stage 0 has none left to try."""
-        route = []
-        for stage in range(self.manifest.num_stages):
-            peer_id = await self._pick(stage, tried if stage == 0 else set(), samples)
-            if peer_id is None:
+        """The route expected to finish soonest (swarm/routing.py); it stops before a stage without peers (a hop
+        chooses itself there) and is empty if stage 0 has none left to try."""
+        stages = self.manifest.num_stages
+        origin = self.position.coordinate if self.position is not None else None
+        for force in (False, True):  # peers may have joined since the last look
+            online = [online_peers(await self.view.stage(s, force=force), get_dht_time()) for s in range(stages)]
+            route = self.router.choose_route(online, samples, time.monotonic(), self.rng, tried, origin)
+            if len(route) == stages:
                 break
-            route.append(peer_id)
-        return route
+        for stage, peers in enumerate(online):
+            if peers:
+                self.unserved_stages.discard(stage)
+            elif stage not in self.unserved_stages:
+                self.unserved_stages.add(stage)
+                logger.warning(f"no online peer serves stage {stage}; waiting for one to join")
+        return [a.peer_id for a in route]
 
     def _learn(self, hops: list[protocol.HopTiming], took: float, samples: int) -> None:
-        """What a reply's hop timings say of each peer on the way: its compute and the transfer to it."""
+        """What a reply's hop timings say of each peer on the way: its compute, and the transfer to it from the
+        hop before (or from this trainer) and back."""
         for index, hop in enumerate(hops):
             reached = took if index == 0 else hops[index - 1].total - hops[index - 1].compute
-            transfer = max(reached - hop.total, 0.0)
-            self.router.observed(hop.peer_id, samples, max(hop.compute + transfer, 1e-6))
+            source = ORIGIN if index == 0 else hops[index - 1].peer_id
+            self.router.observed_hop(source, hop.peer_id, samples, hop.compute, max(reached - hop.total, 0.0))
 
     async def _send(
         self, peer_id: str, kind: str, request: runtime_pb2.ExpertRequest, timeout: float
@@ -412,6 +430,8 @@ class Trainer:
             unserved_stages=tuple(sorted(self.unserved_stages)),
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
+            window=self.window.size,
+            round_trip=self.window.recent or 0.0,
         )
 
     async def _report_forever(self) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from hivemind import DHT
 
+from swarm.coordinates import Coordinate, Vivaldi
 from swarm.manifest import Manifest
 from swarm.records import MAX_THROUGHPUT, Announcement, announcement_lifetime, store_announcement
 from swarm.stats import StageStats
@@ -42,7 +43,7 @@ def announced_rate(value: float) -> float:
     return round(min(value, MAX_THROUGHPUT), 3)
 
 
-def announcement(facts: PeerFacts, stats: StageStats) -> Announcement:
+def announcement(facts: PeerFacts, stats: StageStats, coordinate: Coordinate | None = None) -> Announcement:
     rate = announced_rate
     return Announcement(
         peer_id=facts.peer_id,
@@ -68,16 +69,19 @@ def announcement(facts: PeerFacts, stats: StageStats) -> Announcement:
         averaging_bytes_received=stats.averaging_bytes_received,
         reachable=facts.reachable,
         maddrs=facts.maddrs,
+        coordinate=coordinate,
     )
 
 
 class Announcer:
-    def __init__(self, manifest: Manifest, facts: PeerFacts, stats: Callable[[], StageStats]):
-        self.manifest, self.facts, self.stats = manifest, facts, stats
+    def __init__(
+        self, manifest: Manifest, facts: PeerFacts, stats: Callable[[], StageStats], position: Vivaldi | None = None
+    ):
+        self.manifest, self.facts, self.stats, self.position = manifest, facts, stats, position
         self.dht: DHT | None = None
 
     def announcement(self) -> Announcement:
-        return announcement(self.facts, self.stats())
+        return announcement(self.facts, self.stats(), self.position.coordinate if self.position else None)
 
     async def announce(self) -> None:
         # The same lifetime for every state: the DHT refuses a value that expires earlier than the one it replaces,

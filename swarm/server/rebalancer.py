@@ -21,6 +21,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarm.balancing import PeerLoad, choose_stage, peer_loads, should_move, stage_totals
+from swarm.coordinates import Vivaldi
 from swarm.errors import PeerStartError, SwarmError
 from swarm.events import Event, EventKind, OnEvent, ignore
 from swarm.manifest import Manifest
@@ -61,6 +62,7 @@ class Rebalancer:
         self.server: StageServer | None = None
         self.moves = 0
         self.traffic = Traffic()  # bytes moved by this peer's servers and trainer
+        self.position = Vivaldi()  # this peer's network coordinate, announced by its servers (client/pinger.py)
 
     # -------------------------------------------------------------------------------------------- join
 
@@ -110,6 +112,7 @@ class Rebalancer:
             started=self.started,
             traffic=self.traffic,
             on_event=self.on_event,
+            position=self.position,
         )
 
     # ---------------------------------------------------------------------------------------- moves

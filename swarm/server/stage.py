@@ -25,6 +25,7 @@ from hivemind.p2p import P2P
 
 from swarm.averaging import StageAverager
 from swarm.checkpoint import save_checkpoint
+from swarm.coordinates import Vivaldi
 from swarm.events import OnEvent, ignore
 from swarm.manifest import Manifest
 from swarm.model import StageModel
@@ -71,6 +72,7 @@ class StageServer:
         started: float | None = None,
         traffic: Traffic | None = None,
         on_event: OnEvent = ignore,
+        position: Vivaldi | None = None,
     ):
         self.manifest, self.stage, self.device, self.peer_id = manifest, stage, device, peer_id
         self.throughput, self.options, self.on_event = throughput, options, on_event
@@ -93,7 +95,7 @@ class StageServer:
             options.maddrs,
             time.monotonic() if started is None else started,
         )
-        self.announcer = Announcer(manifest, facts, self.stats)
+        self.announcer = Announcer(manifest, facts, self.stats, position)  # position: this peer's coordinate
         self.delivered = DeliveredThroughput()
         self.round_counters = RoundCounters()
         self.rounds: AveragingRounds | None = None  # created on join (it needs the DHT); none in mode "none"
