@@ -52,6 +52,7 @@ class StageStats:
     rerouted: int = 0  # next hops that failed and were replaced by another peer of their stage
     too_late: int = 0  # gradients not applied: the hop's deadline had passed
     duplicates: int = 0  # microbatches refused because a later stage (or this one) had them already
+    replayed: int = 0  # repeats of microbatches applied here already, answered with their first reply
 
     def to_dict(self) -> dict[str, Any]:
         """As the status line prints it."""

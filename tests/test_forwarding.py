@@ -67,13 +67,47 @@ def test_three_stages_forward_around_a_killed_hop_and_the_trainers_link_carries_
         assert time.monotonic() - killed < 60
         trainer.stop()
 
-        # 3. nothing applied twice: every microbatch stage 0 applied passed stage 2 exactly once; a microbatch stage
-        # 2 applied whose way back was cut by the kill is refused as a duplicate when it comes again (dropped)
+        # 3. nothing applied twice: every microbatch stage 0 applied passed stage 2 exactly once (a hop finishes
+        # what it started even if its caller is gone, as the trainer is now). A microbatch stage
+        # 2 applied whose way back was cut by the kill is answered with its first reply when it comes again through
+        # the other stage-1 peer (replayed); one still in progress there is refused as a duplicate (dropped)
         time.sleep(3)  # the last status lines of the stage peers, after the trainer's last microbatch
         s0, s2, trainer_end = last_status(first), last_status(last), trainer.status_lines()[-1]
+        print(
+            f"trainer link {trainer_link:.0f} B/sample, stage-1 links {middle_link:.0f} B/sample (activation "
+            f"{activation} B); after the kill: rerouted {s0['rerouted']}, duplicates {s0['duplicates']}, replayed "
+            f"{s2['replayed']}, failed {trainer_end['trainer_failed_microbatches']}"
+        )
         assert s0["rerouted"] >= 1, s0
         assert s2["samples_served"] - s0["samples_served"] == BATCH * s0["duplicates"], (s0, s2)
-        assert s0["duplicates"] <= 1 and trainer_end["trainer_failed_microbatches"] <= 1, (s0, trainer_end)
+        window = 4  # at most the microbatches in flight at the kill are affected
+        assert s0["duplicates"] <= window and trainer_end["trainer_failed_microbatches"] <= s0["duplicates"]
+        assert s2["replayed"] <= window, s2
         # the trainer counts what came back; what was in flight when it stopped was applied but not counted
         assert 0 <= s0["samples_served"] - trainer_end["trainer_samples"] <= 4 * BATCH, (s0, trainer_end)
         assert middle[1].process.poll() is None and first.process.poll() is None
+
+
+@pytest.mark.slow(45)
+def test_routes_prefer_the_peer_behind_the_better_link(start_peer, write_manifest):
+    """Two peers serve the last stage, one 5 ms away and one 100 ms away (one-way, each end): the trainer's routes
+    send most microbatches to the near one."""
+    raw = tiny_manifest_dict(training={"max_in_flight": 4}, averaging={"mode": "none"})
+    status = ("--status-every", "1")
+    with EmulatedLinks(lifetime=300) as links:
+        first = start_peer(write_manifest(raw), "--stage", "0", "--no-trainer", *status, *links.peer_flags("s0", LINK))
+        raw["initial_peers"] = [first.maddr()]
+        path = write_manifest(raw, "joined.json")
+        near = start_peer(path, "--stage", "1", "--no-trainer", *status, *links.peer_flags("near", LINK))
+        far_link = LinkSpec.parse("100mbit/100ms")
+        far = start_peer(path, "--stage", "1", "--no-trainer", *status, *links.peer_flags("far", far_link))
+        for peer in (first, near, far):
+            peer.wait_for("serving stage", timeout=90)
+        trainer = start_peer(path, "--trainer-only", *status, *links.peer_flags("trainer", LINK))
+        trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= 60 * BATCH, timeout=120)
+        trainer.stop()
+        time.sleep(2)
+        served_near, served_far = last_status(near)["samples_served"], last_status(far)["samples_served"]
+        print(f"near peer served {served_near} samples, far peer {served_far}")
+        assert served_near >= 3 * served_far, (served_near, served_far)
+        assert served_near + served_far >= 60 * BATCH

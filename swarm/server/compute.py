@@ -38,6 +38,7 @@ from swarm.throughput import FORWARD_SHARE, SimulatedSpeed
 
 ACTIVATION_CACHE_BYTES = 1 << 30
 MAX_LEDGER = 200_000  # forwarded microbatch ids remembered (about 100 bytes each)
+REPLY_CACHE_BYTES = 1 << 28  # replies of applied forwarded microbatches kept to answer a repeat (see replay)
 T = TypeVar("T")
 
 
@@ -102,6 +103,8 @@ class StageCompute:
         self._apply_before: float | None = None  # of the request being processed (see process)
         self._max_cached = max(8, ACTIVATION_CACHE_BYTES // _activation_bytes_estimate(manifest, stage))
         self._ledger: OrderedDict[str, float] = OrderedDict()  # forwarded microbatches taken: id -> when it expires
+        self._replies: OrderedDict[str, list[torch.Tensor]] = OrderedDict()  # applied ones: id -> their reply
+        self._reply_bytes = 0
 
     # ---------------------------------------------------------------------- forwarded microbatches
 
@@ -116,12 +119,28 @@ class StageCompute:
             raise DuplicateMicrobatchError(f"microbatch {microbatch_id} is in progress or applied here already")
         self._ledger[microbatch_id] = now + 2 * self.manifest.training.timeouts.microbatch
 
-    def settle(self, microbatch_id: str, applied: bool, caller: str) -> None:
-        """A claimed microbatch is done: if its gradient was not applied, it may come again (a retry); its cached
-        forward, if any, is dropped."""
+    def settle(self, microbatch_id: str, applied: bool, caller: str, reply: list[torch.Tensor] | None = None) -> None:
+        """A claimed microbatch is done: if its gradient was not applied, it may come again (a retry); if it was,
+        its `reply` is kept for a repeat (replay). Its cached forward, if any, is dropped."""
         if not applied:
             self._ledger.pop(microbatch_id, None)
+        elif reply is not None:
+            self._replies[microbatch_id] = reply
+            self._reply_bytes += sum(t.numel() * t.element_size() for t in reply)
+            while self._reply_bytes > REPLY_CACHE_BYTES and self._replies:
+                _, old = self._replies.popitem(last=False)
+                self._reply_bytes -= sum(t.numel() * t.element_size() for t in old)
         self._cache.pop((caller, microbatch_id), None)
+
+    def replay(self, microbatch_id: str) -> list[torch.Tensor] | None:
+        """The reply of a forwarded microbatch applied here already, for a repeat of it: its caller died before the
+        reply reached it, and another peer of that stage sends it again. The repeat gets the same reply and
+        nothing is applied again (the gradient it carries was computed from the first caller's activations, which
+        a replica's differ from only by how far replicas drift apart)."""
+        if microbatch_id not in self._ledger:
+            self._replies.pop(microbatch_id, None)
+            return None
+        return self._replies.get(microbatch_id)
 
     # ----------------------------------------------------------------------------------- requests
 

@@ -112,6 +112,7 @@ class Forwarder:
         self.rerouted = 0  # next hops that failed and were replaced by another peer of their stage
         self.too_late = 0  # gradients not applied because the hop's deadline had passed
         self.duplicates = 0
+        self.replayed = 0  # repeats of applied microbatches answered with their first reply
         self.in_flight = 0  # train requests being handled (a draining peer waits for them)
 
     def attach(self, p2p: P2P, view: SwarmView) -> None:
@@ -121,11 +122,17 @@ class Forwarder:
     # ------------------------------------------------------------------------------------ one hop
 
     async def handle(self, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
+        """One train request. It runs to its end even if the caller goes away meanwhile (its deadline bounds it):
+        once the later stages have applied a microbatch, this stage applies it too, so that the stages of a
+        swarm apply the same microbatches."""
         self.in_flight += 1
-        try:
-            return await self._handle(request, caller)
-        finally:
+        task = asyncio.ensure_future(self._handle(request, caller))
+
+        def done(_: asyncio.Future) -> None:
             self.in_flight -= 1
+
+        task.add_done_callback(done)
+        return await asyncio.shield(task)
 
     async def _handle(self, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
         arrival = time.monotonic()
@@ -144,6 +151,9 @@ class Forwarder:
         )
         if isinstance(forwarded, runtime_pb2.ExpertResponse):
             return forwarded
+        if isinstance(forwarded, _Replayed):
+            self.replayed += 1
+            return self._reply(forwarded.tensors, 0.0, arrival, [])
         if self.last:
             return self._reply(forwarded.outputs, forwarded.compute_seconds, arrival, [])
         inputs, targets = forwarded.request.tensors
@@ -160,7 +170,7 @@ class Forwarder:
         loss, grad = outputs
         backward = protocol.StageRequest(fields.stage, fields.microbatch_id, True, [grad, inputs])
         # backward of a forward taken on is never refused: its slot is taken without admission's checks
-        result = await self._in_worker(lambda c: _backward(c, backward, caller, deadline), caller)
+        result = await self._in_worker(lambda c: _backward(c, backward, caller, deadline, loss), caller)
         if isinstance(result, runtime_pb2.ExpertResponse):
             return result
         grads, seconds = result
@@ -310,7 +320,7 @@ def _forward(
     caller: str,
     max_elements: int,
     deadline: float,
-) -> _Forwarded | _Refused:
+) -> _Forwarded | _Replayed | _Refused:
     """A hop's forward: read the tensors [inputs, targets], take the microbatch on (once), run forward (the last
     stage: forward, loss and backward). An error reply for what it cannot serve."""
     begin = time.perf_counter()
@@ -325,13 +335,15 @@ def _forward(
         protocol.check_inputs(inputs, compute.manifest, compute.stage)
         protocol.check_targets(targets, inputs, compute.manifest.model.vocab_size)
         if req.train:
+            if (replay := compute.replay(req.microbatch_id)) is not None:
+                return _Replayed(replay)
             compute.claim(req.microbatch_id)
             claimed = True
         tensors = req.tensors if compute.last else [inputs]
         step = protocol.StageRequest(req.stage, req.microbatch_id, req.train, tensors)
         outputs = compute.process("forward", step, caller, apply_before=deadline)
         if compute.last and claimed:
-            compute.settle(req.microbatch_id, True, caller)
+            compute.settle(req.microbatch_id, True, caller, reply=outputs)
         return _Forwarded(req, outputs, time.perf_counter() - begin)
     except Exception as e:
         if claimed:
@@ -340,17 +352,24 @@ def _forward(
 
 
 def _backward(
-    compute: StageCompute, req: protocol.StageRequest, caller: str, deadline: float
+    compute: StageCompute, req: protocol.StageRequest, caller: str, deadline: float, loss: torch.Tensor
 ) -> tuple[list[torch.Tensor], float] | _Refused:
     """A hop's backward with the gradient the next stage sent back: ([grad of inputs] or [], seconds)."""
     begin = time.perf_counter()
     try:
         grads = compute.process("backward", req, caller, apply_before=deadline)
-        compute.settle(req.microbatch_id, True, caller)
+        compute.settle(req.microbatch_id, True, caller, reply=[loss, *grads])
         return grads, time.perf_counter() - begin
     except Exception as e:
         compute.settle(req.microbatch_id, False, caller)
         return _error_reply(e)
+
+
+@dataclass
+class _Replayed:
+    """A repeat of a microbatch applied here already: its first reply (see StageCompute.replay)."""
+
+    tensors: list[torch.Tensor]
 
 
 @dataclass

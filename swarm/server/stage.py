@@ -224,6 +224,7 @@ class StageServer:
             rerouted=self.forwarder.rerouted,
             too_late=self.forwarder.too_late,
             duplicates=self.forwarder.duplicates,
+            replayed=self.forwarder.replayed,
             bad_requests=admission.bad_requests,
             busy_replies=admission.busy_replies,
             banned_replies=admission.banned_replies,
