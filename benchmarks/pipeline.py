@@ -1,11 +1,13 @@
 """Pipeline benchmark: one process vs. a local swarm with one peer per stage, same model, data and samples.
 
-    python benchmarks/pipeline.py [--samples 2048] [--manifest examples/demo.json]
+    python benchmarks/pipeline.py [--samples 2048] [--manifest examples/demo.json] [--pipeline forward|relay]
+                                  [--max-in-flight 4] [--fixed-window]
 
 (a) trains the whole model in one process (torch's default threads); (b) trains it through 2 stage peers on
 loopback (1 thread each) driven by a trainer in this process. Prints one JSON line: samples per second of
-each, their ratio b/a, bytes sent per sample between stages, and peak memory (VmHWM) of the largest peer
-process against the single process.
+each, their ratio b/a, bytes per sample between stages (stage 0's peer's, or with the relay pipeline the
+trainer's) and on the trainer's own link, the trainer's window at the end, final train losses, and peak memory
+(VmHWM) of the largest peer process against the single process.
 """
 
 from __future__ import annotations
@@ -101,11 +103,18 @@ def swarm(manifest_path: Path, samples: int) -> dict:
             await trainer.train(data.train, asyncio.Event(), max_samples=samples)
             elapsed = time.perf_counter() - start
             loss = float(np.mean([r[1] for r in list(trainer.recent)[-10:]]))
+            await asyncio.sleep(2 * manifest.network.announce_period)  # the stage peers' last counts
+            first = [a for a in await fetch_announcements(dht, manifest.swarm_id, 0) if a.state == PeerState.ONLINE]
+            between = sum(a.activation_bytes_sent + a.activation_bytes_received for a in first)
+            if manifest.training.pipeline == "relay":  # stage 0's peer talks only to the trainer: count both links
+                between = trainer.bytes_sent + trainer.bytes_received
             await p2p.shutdown()
             return {
                 "samples_per_second": trainer.samples / elapsed,
                 "final_train_loss": loss,
-                "bytes_per_sample": (trainer.bytes_sent + trainer.bytes_received) / trainer.samples,
+                "bytes_per_sample": between / trainer.samples,
+                "trainer_bytes_per_sample": (trainer.bytes_sent + trainer.bytes_received) / trainer.samples,
+                "window": trainer.window.size,
                 "failed_microbatches": trainer.failed_microbatches,
                 "peak_memory_mb": max(peak_memory_mb(p.pid) for p in peers),
             }
@@ -127,11 +136,23 @@ def main() -> None:
         default=4,
         help="microbatches the one trainer keeps in flight (default 4: with a single trainer, pipelining needs it)",
     )
+    parser.add_argument("--pipeline", choices=["forward", "relay"], default="forward", help="default: forward")
+    parser.add_argument(
+        "--fixed-window", action="store_true", help="always --max-in-flight in flight (default: adaptive up to it)"
+    )
+    parser.add_argument(
+        "--no-delay-scaled-lr",
+        action="store_true",
+        help="full learning rate at every stage, however late its gradients",
+    )
     parser.add_argument("--single", action="store_true", help=argparse.SUPPRESS)  # internal: run (a) and exit
     args = parser.parse_args()
     runtime.setup_logging("WARNING")
     raw = json.loads(Path(args.manifest).read_text())
     raw.setdefault("training", {})["max_in_flight"] = args.max_in_flight
+    raw["training"]["pipeline"] = args.pipeline
+    raw["training"]["adaptive_window"] = not args.fixed_window
+    raw["training"]["delay_scaled_lr"] = not args.no_delay_scaled_lr
     args.manifest = str(Path(tempfile.mkdtemp(prefix="swarm-pipeline-")) / "manifest.json")
     Path(args.manifest).write_text(json.dumps(raw))
     manifest = load_manifest(args.manifest)
@@ -154,7 +175,11 @@ def main() -> None:
                 "single_samples_per_second": round(a["samples_per_second"], 2),
                 "swarm_samples_per_second": round(b["samples_per_second"], 2),
                 "ratio_b_over_a": round(b["samples_per_second"] / a["samples_per_second"], 3),
+                "pipeline": args.pipeline,
                 "bytes_per_sample_between_stages": round(b["bytes_per_sample"]),
+                "trainer_bytes_per_sample": round(b["trainer_bytes_per_sample"]),
+                "window": b["window"],
+                "delay_scaled_lr": not args.no_delay_scaled_lr,
                 "single_peak_memory_mb": round(a["peak_memory_mb"], 1),
                 "largest_peer_peak_memory_mb": round(b["peak_memory_mb"], 1),
                 "single_final_train_loss": round(a["final_train_loss"], 3),

@@ -65,6 +65,8 @@ class TrainingConfig:
     # with the forward pipeline, the number in flight adapts to the route (swarm/client/window.py), up to
     # max_in_flight; false: always max_in_flight
     adaptive_window: bool = True
+    # a stage whose gradients come back late steps with a smaller learning rate (swarm/server/staleness.py)
+    delay_scaled_lr: bool = True
     activation_compression: str = "float32"
     # forward: stages send activations to each other (server/forwarding.py); relay: the trainer carries them
     # between stages (the protocol before issue 14, kept to compare against)
@@ -238,6 +240,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
         max_grad_norm=t.number("max_grad_norm", minimum=1e-6),
         max_in_flight=t.integer("max_in_flight", minimum=1, maximum=1024),
         adaptive_window=t.boolean("adaptive_window"),
+        delay_scaled_lr=t.boolean("delay_scaled_lr"),
         activation_compression=t.choice("activation_compression", COMPRESSIONS),
         pipeline=t.choice("pipeline", PIPELINES),
         routing=t.choice("routing", ROUTINGS),

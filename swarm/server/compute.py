@@ -27,6 +27,7 @@ from swarm.averaging import StageAverager
 from swarm.errors import BadRequestError
 from swarm.manifest import Manifest
 from swarm.model import StageModel
+from swarm.server.staleness import StalenessControl
 from swarm.server.state import (
     load_state_tensors,
     make_optimizer,
@@ -38,7 +39,7 @@ from swarm.throughput import FORWARD_SHARE, SimulatedSpeed
 
 ACTIVATION_CACHE_BYTES = 1 << 30
 MAX_LEDGER = 200_000  # forwarded microbatch ids remembered (about 100 bytes each)
-REPLY_CACHE_BYTES = 1 << 28  # replies of applied forwarded microbatches kept to answer a repeat (see replay)
+REPLY_CACHE_BYTES = 1 << 26  # replies of applied forwarded microbatches kept to answer a repeat (see replay)
 T = TypeVar("T")
 
 
@@ -74,6 +75,7 @@ class _CachedForward:
     outputs: torch.Tensor
     weights: list[torch.Tensor]  # the weights forward ran with (stashed), so backward uses the same ones
     created: float
+    steps: int  # optimizer steps taken when forward ran (to measure the delay of its gradient)
 
 
 class StageCompute:
@@ -93,6 +95,7 @@ class StageCompute:
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.optimizer = make_optimizer(manifest, self.params)
+        self.staleness = StalenessControl(self.optimizer, manifest.training.delay_scaled_lr)
         self.averager: StageAverager | None = None  # attached when the stage averages (server/rounds.py)
         self.counters = ComputeCounters()
         self.weights_version = 0  # bumps whenever the weights change: stashes of older versions are stale
@@ -205,6 +208,7 @@ class StageCompute:
             protocol.check_grad(grad, tuple(cached.outputs.shape))  # a bad gradient leaves the activations cached
             del self._cache[key]
             x, out, weights = cached.inputs, cached.outputs, cached.weights
+            self.staleness.observed_delay(self.counters.optimizer_steps - cached.steps)
         else:
             # No activations here (evicted, or this peer did not run the microbatch's forward, e.g. because that
             # peer failed): recompute forward with the current weights from the inputs sent along.
@@ -271,6 +275,7 @@ class StageCompute:
         try:
             if self.manifest.training.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.manifest.training.max_grad_norm)
+            self.staleness.before_step()  # a smaller rate for late gradients (server/staleness.py)
             self.optimizer.step()
             self.counters.optimizer_steps += 1
         finally:  # even if the step failed: one bad step must not make every later backward fail again
@@ -282,7 +287,7 @@ class StageCompute:
         self, caller: str, microbatch_id: str, x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor]
     ) -> None:
         key = (caller, microbatch_id)
-        self._cache[key] = _CachedForward(x, out, weights, time.monotonic())
+        self._cache[key] = _CachedForward(x, out, weights, time.monotonic(), self.counters.optimizer_steps)
         self._cache.move_to_end(key)
         while len(self._cache) > self._max_cached:
             self._cache.popitem(last=False)
