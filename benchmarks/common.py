@@ -48,6 +48,7 @@ TINY_MANIFEST = {
         "microbatches_per_step": 1,
         "learning_rate": 0.003,
         "max_in_flight": 2,
+        "adaptive_window": False,
         "timeouts": {"forward": 5, "backward": 5, "microbatch": 60},
     },
     "data": {"source": "stdlib", "shards": 4},

@@ -1,8 +1,8 @@
 """WAN benchmark: a 3-stage swarm with trainers, on loopback and behind emulated home links, both pipelines.
 
-    python benchmarks/wan.py [--seconds 40] [--settings unshaped,nanogpt,home20,home10,mixed] [--pipelines forward,relay]
+    python benchmarks/wan.py [--seconds 40] [--settings unshaped,nanogpt,...] [--pipelines forward,relay]
 
-Each peer (one per stage, and two trainer-only peers) sits behind its own emulated link (swarm/emulated_links.py:
+Each peer (one per stage, a second one on stage 1 in the hetero settings, and two trainer-only peers) sits behind its own emulated link (swarm/emulated_links.py:
 bandwidth per direction, one-way delay; a path between two peers crosses both their links). For each setting and
 pipeline (`forward`: stages pass activations to each other; `relay`: the trainer carries them, the protocol before
 issue 14) it prints one JSON line:
@@ -12,11 +12,15 @@ issue 14) it prints one JSON line:
 - network_bound: for each link and direction, its bandwidth over the bytes per sample it carried; the smallest;
 - efficiency: samples_per_second over the smaller bound; speed_vs_unshaped: over the compute bound;
 - trainer_bytes_per_sample: bytes on the trainers' own links (both directions) per sample trained;
-- window: microbatches in flight per trainer; failed_microbatches.
+- samples_served per stage peer; window: the trainers' adaptive windows at the end (at most max_window);
+  failed_microbatches.
 
 Settings (per peer link; the delay of a path is the sum of both ends'): unshaped; nanogpt, the link of the Protocol
 NanoGPT speedrun (200 Mbit/s, 50 ms one-way between two peers: 25 ms per link); home20 (20 Mbit/s, 25 ms); home10
-(10 Mbit/s, 50 ms); mixed (stage peers on 100, 20 and 10 Mbit/s with 10, 25 and 50 ms; trainers on 20 Mbit/s).
+(10 Mbit/s, 50 ms); mixed (stage peers on 100, 20 and 10 Mbit/s with 10, 25 and 50 ms; trainers on 20 Mbit/s);
+hetero (all on 100 Mbit/s, 10 ms, and a second stage-1 peer on 10 Mbit/s, 100 ms), routed by expected time with
+the network counted, and hetero-blind, the same routed by compute only. The relay pipeline runs the uniform
+settings (--relay-settings).
 """
 
 from __future__ import annotations
@@ -39,49 +43,57 @@ from swarm.presets import new_manifest  # noqa: E402
 
 STAGES = 3
 TRAINERS = 2
-SETTINGS = {
-    "unshaped": {"stage": ["unlimited"] * STAGES, "trainer": "unlimited"},
-    "nanogpt": {"stage": ["200mbit/25ms"] * STAGES, "trainer": "200mbit/25ms"},
-    "home20": {"stage": ["20mbit/25ms"] * STAGES, "trainer": "20mbit/25ms"},
-    "home10": {"stage": ["10mbit/50ms"] * STAGES, "trainer": "10mbit/50ms"},
-    "mixed": {"stage": ["100mbit/10ms", "20mbit/25ms", "10mbit/50ms"], "trainer": "20mbit/25ms"},
+HETERO = [["100mbit/10ms"], ["100mbit/10ms", "10mbit/100ms"], ["100mbit/10ms"]]
+SETTINGS = {  # per stage, the links of its peers; the trainers' link; how trainers route
+    "unshaped": {"stages": [["unlimited"]] * STAGES, "trainer": "unlimited"},
+    "nanogpt": {"stages": [["200mbit/25ms"]] * STAGES, "trainer": "200mbit/25ms"},
+    "home20": {"stages": [["20mbit/25ms"]] * STAGES, "trainer": "20mbit/25ms"},
+    "home10": {"stages": [["10mbit/50ms"]] * STAGES, "trainer": "10mbit/50ms"},
+    "mixed": {"stages": [["100mbit/10ms"], ["20mbit/25ms"], ["10mbit/50ms"]], "trainer": "20mbit/25ms"},
+    # stage 1 has a second peer behind a link with 10x the latency and 1/10 the bandwidth
+    "hetero": {"stages": HETERO, "trainer": "100mbit/10ms", "routing": "network_aware"},
+    "hetero-blind": {"stages": HETERO, "trainer": "100mbit/10ms", "routing": "compute_only"},
 }
 
 
-def manifest_for(pipeline: str, window: int):
+def manifest_for(pipeline: str, window: int, routing: str = "network_aware"):
     manifest = new_manifest(f"wan-{pipeline}", "tiny").to_dict(with_peers=False)
     manifest["model"]["depth"] = 6  # two layers per stage
     manifest["stages"] = {"count": STAGES}
     manifest["training"]["pipeline"] = pipeline
     manifest["training"]["max_in_flight"] = window
+    manifest["training"]["routing"] = routing
     manifest["averaging"]["mode"] = "none"  # one peer per stage: nobody to average with
     return manifest
 
 
 def run_setting(name: str, pipeline: str, seconds: float, warmup: float, window: int, folder: Path) -> dict:
     setting = SETTINGS[name]
-    manifest = manifest_for(pipeline, window)
-    path = folder / f"{name}-{pipeline}.json"
+    routing = setting.get("routing", "network_aware")
+    manifest = manifest_for(pipeline, window, routing)
+    label = f"{name}-{pipeline}"
+    path = folder / f"{label}.json"
     write_manifest_dict(manifest, path)
     started: list[processes.PeerProcess] = []
     common = ["--status-every", "2", "--throughput", "100", "--bandwidth", "1000", "--duration", "900"]
+    # each stage peer's link, by name: stage<S>-<replica>
+    links_of = {f"stage{s}-{r}": text for s, texts in enumerate(setting["stages"]) for r, text in enumerate(texts)}
+    specs = {link: LinkSpec.parse(text) for link, text in links_of.items()}
+    specs.update({f"trainer{t}": LinkSpec.parse(setting["trainer"]) for t in range(TRAINERS)})
     with EmulatedLinks(lifetime=seconds + warmup + 600) as links:
         try:
-            specs = {f"stage{s}": LinkSpec.parse(setting["stage"][s]) for s in range(STAGES)}
-            specs.update({f"trainer{t}": LinkSpec.parse(setting["trainer"]) for t in range(TRAINERS)})
-            for stage in range(STAGES):
-                flags = [
-                    "--stage",
-                    str(stage),
-                    "--no-trainer",
-                    *common,
-                    *links.peer_flags(f"stage{stage}", specs[f"stage{stage}"]),
-                ]
-                log = folder / f"{name}-{pipeline}-stage{stage}.log"
-                started.append(processes.start_local_peer(path, stage, log, trainer=False, extra=flags))
-                if stage == 0:
-                    manifest["initial_peers"] = [started[0].maddr()]
-                    path = folder / f"{name}-{pipeline}-joined.json"
+            stage_peers = {}
+            for link in links_of:
+                stage = int(link.split("-")[0].removeprefix("stage"))
+                flags = ["--stage", str(stage), "--no-trainer", *common, *links.peer_flags(link, specs[link])]
+                peer = processes.start_local_peer(
+                    path, stage, folder / f"{label}-{link}.log", trainer=False, extra=flags
+                )
+                started.append(peer)
+                stage_peers[link] = peer
+                if len(started) == 1:
+                    manifest["initial_peers"] = [peer.maddr()]
+                    path = folder / f"{label}-joined.json"
                     write_manifest_dict(manifest, path)
             for peer in started:
                 peer.wait_for("serving stage", timeout=120)
@@ -94,41 +106,54 @@ def run_setting(name: str, pipeline: str, seconds: float, warmup: float, window:
                     *common,
                     *links.peer_flags(f"trainer{t}", specs[f"trainer{t}"]),
                 ]
-                log = folder / f"{name}-{pipeline}-trainer{t}.log"
-                trainers.append(processes.start_local_peer(path, None, log, extra=flags))
+                trainers.append(processes.start_local_peer(path, None, folder / f"{label}-trainer{t}.log", extra=flags))
             started += trainers
             for trainer in trainers:
                 trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) > 0, timeout=180)
             time.sleep(warmup)
-            samples0, carried0, begin = total_samples(trainers), links.carried(), time.monotonic()
+            samples0, carried0, served0 = total_samples(trainers), links.carried(), served(stage_peers)
+            begin = time.monotonic()
             time.sleep(seconds)
             samples1, carried1, took = total_samples(trainers), links.carried(), time.monotonic() - begin
+            served1 = served(stage_peers)
+            windows = [last_line(t).get("trainer_window") for t in trainers]
+            failed = sum((last_line(t).get("trainer_failed_microbatches") or 0) for t in trainers)
         finally:
             processes.stop_peers(started)
     samples = max(samples1 - samples0, 1)
     carried = {k: {d: carried1[k][d] - carried0[k][d] for d in ("up", "down")} for k in carried1}
     bounds = []
-    for link_name, spec in specs.items():
+    for link, spec in specs.items():
         for direction, bits in (("up", spec.up_bits), ("down", spec.down_bits)):
-            per_sample = carried[link_name][direction] / samples
+            per_sample = carried[link][direction] / samples
             if bits is not None and per_sample > 0:
                 bounds.append(bits / 8 / per_sample)
-    failed = sum((t.status_lines()[-1].get("trainer_failed_microbatches") or 0) for t in trainers)
     trainer_bytes = sum(carried[f"trainer{t}"]["up"] + carried[f"trainer{t}"]["down"] for t in range(TRAINERS))
+    uniform = all(len(texts) == 1 and texts[0] == setting["stages"][0][0] for texts in setting["stages"])
     return {
         "setting": name,
         "pipeline": pipeline,
-        "links": {k: v.describe() for k, v in specs.items()} if name == "mixed" else setting["stage"][0],
+        "routing": routing,
+        "links": setting["stages"][0][0] if uniform else {**links_of, "trainers": setting["trainer"]},
         "samples_per_second": round(samples / took, 2),
         "network_bound": round(min(bounds), 2) if bounds else None,
         "trainer_bytes_per_sample": round(trainer_bytes / samples),
-        "stage_link_bytes_per_sample": {
-            f"stage{s}": round(sum(carried[f"stage{s}"].values()) / samples) for s in range(STAGES)
-        },
-        "window": window,
+        "stage_link_bytes_per_sample": {k: round(sum(carried[k].values()) / samples) for k in links_of},
+        "samples_served": {k: served1[k] - served0[k] for k in links_of},
+        "window": windows,
+        "max_window": window,
         "failed_microbatches": failed,
         "samples": samples,
     }
+
+
+def last_line(peer: processes.PeerProcess) -> dict:
+    lines = peer.status_lines()
+    return lines[-1] if lines else {}
+
+
+def served(peers: dict[str, processes.PeerProcess]) -> dict[str, int]:
+    return {link: last_line(peer).get("samples_served", 0) for link, peer in peers.items()}
 
 
 def total_samples(trainers: list[processes.PeerProcess]) -> int:
@@ -143,9 +168,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=40.0, help="measured seconds per run (default 40)")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of training before measuring (default 10)")
-    parser.add_argument("--window", type=int, default=4, help="microbatches in flight per trainer (default 4)")
+    parser.add_argument(
+        "--window", type=int, default=16, help="most microbatches in flight per trainer (adaptive below; default 16)"
+    )
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     parser.add_argument("--pipelines", default="forward,relay", help="forward, relay or both (default both)")
+    parser.add_argument(
+        "--relay-settings", default="unshaped,nanogpt,home20,home10", help="the settings also run with the relay"
+    )
     args = parser.parse_args()
     names = [n for n in args.settings.split(",") if n]
     unknown = [n for n in names if n not in SETTINGS]
@@ -158,7 +188,8 @@ def main() -> None:
     print(f"peer logs: {folder}", file=sys.stderr)
     for pipeline in args.pipelines.split(","):
         compute_bound = None
-        for name in names:
+        relay_names = [n for n in names if n in args.relay_settings.split(",")]
+        for name in names if pipeline == "forward" else relay_names:
             result = run_setting(name, pipeline, args.seconds, args.warmup, args.window, folder)
             if name == "unshaped":
                 compute_bound = result["samples_per_second"]
