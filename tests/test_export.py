@@ -324,7 +324,7 @@ def test_export_of_a_trained_swarm_matches_its_peers(start_peer, write_manifest,
         result = run_tool(export_command(path, missing, "--timeout", "30", "--wait", "2"), 60)
         assert result.returncode == 1, result.stdout
         assert "no online peer serves stage 1" in result.stderr and "Traceback" not in result.stderr, result.stderr
-        assert time.monotonic() - begin < 30
+        assert time.monotonic() - begin < 45  # its 30 s timeout, and starting a process on a busy machine
         assert not missing.exists()
     finally:
         dht.shutdown()
