@@ -183,8 +183,9 @@ class Trainer:
                 return float(loss), samples
             except RemoteStageError as e:
                 last_error = e
-                if e.code == "duplicate":
-                    raise MicrobatchFailedError(f"a stage has this microbatch already: {e}") from None
+                if e.code == "duplicate":  # an earlier attempt is still in progress there: its reply will be
+                    tried.discard(route[0])  # replayed once it is done (nothing is applied twice)
+                    await asyncio.sleep(NO_PEER_WAIT)
                 if e.code not in BLAMELESS:
                     self._ban(route[0], f"train on stage 0: {e}")
             except asyncio.CancelledError:
