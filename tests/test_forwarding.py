@@ -81,7 +81,8 @@ def test_three_stages_forward_around_a_killed_hop_and_the_trainers_link_carries_
             f"{s2['replayed']}, failed {trainer_end['trainer_failed_microbatches']}"
         )
         assert s0["rerouted"] >= 1, s0
-        assert s2["samples_served"] - s0["samples_served"] == BATCH * s0["duplicates"], (s0, s2)
+        # (a duplicate that comes back to the trainer is asked again and replayed, so it may end applied everywhere)
+        assert 0 <= s2["samples_served"] - s0["samples_served"] <= BATCH * s0["duplicates"], (s0, s2)
         window = 4  # at most the microbatches in flight at the kill are affected
         assert s0["duplicates"] <= window and trainer_end["trainer_failed_microbatches"] <= s0["duplicates"]
         assert s2["replayed"] <= window, s2
