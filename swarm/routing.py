@@ -125,14 +125,9 @@ class Router:
     def observed_hop(self, source: str, peer_id: str, samples: int, compute: float, transfer: float) -> None:
         """A reply's timing of one hop: the peer's compute, and the transfer to it from `source` and back."""
         record = self.record(peer_id)
-        per_sample = max(compute, 1e-6) / max(samples, 1)
-        if record.compute_per_sample is None:
-            record.compute_per_sample = per_sample
-        else:
-            record.compute_per_sample += EMA_WEIGHT * (per_sample - record.compute_per_sample)
+        record.compute_per_sample = _ema(record.compute_per_sample, max(compute, 1e-6) / max(samples, 1))
         key = (source, peer_id)
-        previous = self.transfers.get(key)
-        self.transfers[key] = transfer if previous is None else previous + EMA_WEIGHT * (transfer - previous)
+        self.transfers[key] = _ema(self.transfers.get(key), transfer)
         self.observed(peer_id, samples, compute + transfer)
 
     def record(self, peer_id: str) -> PeerRecord:
@@ -180,11 +175,7 @@ class Router:
     def observed(self, peer_id: str, samples: int, seconds: float) -> None:
         """A call of `samples` samples to this peer succeeded in `seconds`."""
         record = self.record(peer_id)
-        per_sample = max(seconds, 1e-6) / max(samples, 1)
-        if record.seconds_per_sample is None:
-            record.seconds_per_sample = per_sample
-        else:
-            record.seconds_per_sample += EMA_WEIGHT * (per_sample - record.seconds_per_sample)
+        record.seconds_per_sample = _ema(record.seconds_per_sample, max(seconds, 1e-6) / max(samples, 1))
         record.failures = 0
 
     def failed(self, peer_id: str, now: float) -> float:
@@ -203,3 +194,8 @@ class Router:
         """Drop what is known of peers no longer announced (records of peers long gone would pile up)."""
         self.peers = {p: r for p, r in self.peers.items() if p in keep or r.outstanding > 0}
         self.transfers = {k: v for k, v in self.transfers.items() if k[1] in self.peers}
+
+
+def _ema(previous: float | None, value: float) -> float:
+    """The EMA after a new observation (the first one is taken as it is)."""
+    return value if previous is None else previous + EMA_WEIGHT * (value - previous)
