@@ -109,6 +109,8 @@ def test_bad_input_gets_a_clear_error(tmp_path, capsys, manifest, flags, expecte
         ("peers.peer", ["--no-listen", "--new-swarm"], "--no-listen: nobody could join through this peer"),
         ("peers.peer", ["--metrics-host", "0.0.0.0"], "--metrics-host needs --metrics-port"),
         ("peers.peer", ["--metrics-port", "70000"], "--metrics-port must be a port number"),
+        ("peers.peer", ["--trainer-only", "--stage", "0"], "--trainer-only trains and serves no stage"),
+        ("peers.peer", ["--trainer-only", "--no-trainer"], "--trainer-only trains and serves no stage"),
         ("peers.demo", ["--peers", "0"], "--peers must be at least 1"),
         ("peers.demo", ["--duration", "-5"], "--duration must be positive"),
         ("peers.demo", ["--peers", "1"], "each needs a peer"),
