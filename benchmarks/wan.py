@@ -1,6 +1,7 @@
 """WAN benchmark: a 3-stage swarm with trainers, on loopback and behind emulated home links, both pipelines.
 
     python benchmarks/wan.py [--seconds 40] [--settings unshaped,nanogpt,...] [--pipelines forward,relay]
+                             [--activation-compression float32|float16|8bit]
 
 Each peer (one per stage, a second one on stage 1 in the hetero settings, and two trainer-only peers) sits behind its own emulated link (swarm/emulated_links.py:
 bandwidth per direction, one-way delay; a path between two peers crosses both their links). For each setting and
@@ -13,7 +14,7 @@ issue 14) it prints one JSON line:
 - efficiency: samples_per_second over the smaller bound; speed_vs_unshaped: over the compute bound;
 - trainer_bytes_per_sample: bytes on the trainers' own links (both directions) per sample trained;
 - samples_served per stage peer; window: the trainers' adaptive windows at the end (at most max_window);
-  failed_microbatches.
+  failed_microbatches; relay_cpu_cores: the cores the emulated links themselves took (of this machine's few).
 
 Settings (per peer link; the delay of a path is the sum of both ends'): unshaped; nanogpt, the link of the Protocol
 NanoGPT speedrun (200 Mbit/s, 50 ms one-way between two peers: 25 ms per link); home20 (20 Mbit/s, 25 ms); home10
@@ -56,8 +57,9 @@ SETTINGS = {  # per stage, the links of its peers; the trainers' link; how train
 }
 
 
-def manifest_for(pipeline: str, window: int, routing: str = "network_aware"):
+def manifest_for(pipeline: str, window: int, routing: str, compression: str) -> dict:
     manifest = new_manifest(f"wan-{pipeline}", "tiny").to_dict(with_peers=False)
+    manifest["training"]["activation_compression"] = compression
     manifest["model"]["depth"] = 6  # two layers per stage
     manifest["stages"] = {"count": STAGES}
     manifest["training"]["pipeline"] = pipeline
@@ -67,10 +69,12 @@ def manifest_for(pipeline: str, window: int, routing: str = "network_aware"):
     return manifest
 
 
-def run_setting(name: str, pipeline: str, seconds: float, warmup: float, window: int, folder: Path) -> dict:
+def run_setting(
+    name: str, pipeline: str, seconds: float, warmup: float, window: int, compression: str, folder: Path
+) -> dict:
     setting = SETTINGS[name]
     routing = setting.get("routing", "network_aware")
-    manifest = manifest_for(pipeline, window, routing)
+    manifest = manifest_for(pipeline, window, routing, compression)
     label = f"{name}-{pipeline}"
     path = folder / f"{label}.json"
     write_manifest_dict(manifest, path)
@@ -112,9 +116,10 @@ def run_setting(name: str, pipeline: str, seconds: float, warmup: float, window:
                 trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) > 0, timeout=180)
             time.sleep(warmup)
             samples0, carried0, served0 = total_samples(trainers), links.carried(), served(stage_peers)
-            begin = time.monotonic()
+            begin, cpu0 = time.monotonic(), time.process_time()
             time.sleep(seconds)
             samples1, carried1, took = total_samples(trainers), links.carried(), time.monotonic() - begin
+            relay_cpu = (time.process_time() - cpu0) / took  # the emulated links run in this process
             served1 = served(stage_peers)
             windows = [last_line(t).get("trainer_window") for t in trainers]
             failed = sum((last_line(t).get("trainer_failed_microbatches") or 0) for t in trainers)
@@ -134,6 +139,7 @@ def run_setting(name: str, pipeline: str, seconds: float, warmup: float, window:
         "setting": name,
         "pipeline": pipeline,
         "routing": routing,
+        "activation_compression": compression,
         "links": setting["stages"][0][0] if uniform else {**links_of, "trainers": setting["trainer"]},
         "samples_per_second": round(samples / took, 2),
         "network_bound": round(min(bounds), 2) if bounds else None,
@@ -143,6 +149,7 @@ def run_setting(name: str, pipeline: str, seconds: float, warmup: float, window:
         "window": windows,
         "max_window": window,
         "failed_microbatches": failed,
+        "relay_cpu_cores": round(relay_cpu, 2),
         "samples": samples,
     }
 
@@ -176,6 +183,12 @@ def main() -> None:
     parser.add_argument(
         "--relay-settings", default="unshaped,nanogpt,home20,home10", help="the settings also run with the relay"
     )
+    parser.add_argument(
+        "--activation-compression",
+        choices=["float32", "float16", "8bit"],
+        default="float32",
+        help="how stages send activations and gradients (default float32)",
+    )
     args = parser.parse_args()
     names = [n for n in args.settings.split(",") if n]
     unknown = [n for n in names if n not in SETTINGS]
@@ -190,7 +203,9 @@ def main() -> None:
         compute_bound = None
         relay_names = [n for n in names if n in args.relay_settings.split(",")]
         for name in names if pipeline == "forward" else relay_names:
-            result = run_setting(name, pipeline, args.seconds, args.warmup, args.window, folder)
+            result = run_setting(
+                name, pipeline, args.seconds, args.warmup, args.window, args.activation_compression, folder
+            )
             if name == "unshaped":
                 compute_bound = result["samples_per_second"]
             result["compute_bound"] = compute_bound

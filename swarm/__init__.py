@@ -6,4 +6,10 @@ __version__ = "0.1.0"
 # Peers refuse requests and records that carry another version.
 PROTOCOL_VERSION = 5
 
+import warnings  # noqa: E402
+
 from swarm import hivemind_limits  # noqa: E402, F401 (limits on what hivemind reads from the network)
+
+# hivemind's 8-bit codec (activations by default, and averaging) calls torch.quantize_per_tensor, which torch
+# 2.13 marks deprecated; the warning is for hivemind's authors, not for someone running a peer
+warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)

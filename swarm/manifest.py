@@ -67,7 +67,9 @@ class TrainingConfig:
     adaptive_window: bool = True
     # a stage whose gradients come back late steps with a smaller learning rate (swarm/server/staleness.py)
     delay_scaled_lr: bool = True
-    activation_compression: str = "float32"
+    # of activations and gradients between stages: 8-bit is 4x fewer bytes than float32 at no measured loss, and
+    # faster even on loopback (docs/BENCHMARKS.md, "Over emulated internet links")
+    activation_compression: str = "8bit"
     # forward: stages send activations to each other (server/forwarding.py); relay: the trainer carries them
     # between stages (the protocol before issue 14, kept to compare against)
     pipeline: str = "forward"

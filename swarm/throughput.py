@@ -111,7 +111,7 @@ def device_name(device: torch.device) -> str:
 def stage_bytes_per_sample(manifest: Manifest, stage: int) -> tuple[int, int]:
     """(bytes received, bytes sent) by a peer of `stage` per trained sample, as the protocol encodes them."""
     config = manifest.model
-    element = 2 if manifest.training.activation_compression == "float16" else 4
+    element = {"float32": 4, "float16": 2, "8bit": 1}[manifest.training.activation_compression]
     hidden = config.context_length * config.width * element  # one sample's activations, or their gradient
     tokens = config.context_length * 8  # int64 token ids
     first, last = stage == 0, stage == manifest.num_stages - 1

@@ -29,7 +29,8 @@ def test_three_stages_forward_around_a_killed_hop_and_the_trainers_link_carries_
     raw = tiny_manifest_dict(
         model={"depth": 3},
         stages={"count": 3},
-        training={"max_in_flight": 4, "microbatches_per_step": 2},
+        # float32 activations, so that an activation is far larger than a sample's tokens (the check below)
+        training={"max_in_flight": 4, "microbatches_per_step": 2, "activation_compression": "float32"},
         averaging={"mode": "none"},
     )
     status = ("--status-every", "1")

@@ -260,7 +260,7 @@ def test_large_activations_go_by_stream(start_peer, write_manifest):
     # 32 x 64 x 512 float32 activations are 4 MiB: more than one unary message may carry
     raw = tiny_manifest_dict(
         model={"width": 512, "heads": 8, "context_length": 64},
-        training={"microbatch_size": 32, "max_in_flight": 1},
+        training={"microbatch_size": 32, "max_in_flight": 1, "activation_compression": "float32"},
     )
     manifest = manifest_from_dict(raw)
     activation_bytes = 32 * 64 * 512 * 4

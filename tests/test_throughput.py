@@ -70,14 +70,17 @@ def test_a_corrupt_cache_is_ignored_and_rewritten(tmp_path):
 
 
 def test_network_limit_uses_the_stage_traffic():
-    width, length = MANIFEST.model.width, MANIFEST.model.context_length
+    full = manifest_from_dict(tiny_manifest_dict(training={"activation_compression": "float32"}))
+    width, length = full.model.width, full.model.context_length
     hidden = width * length * 4
-    assert stage_bytes_per_sample(MANIFEST, 0) == (length * 8 + hidden, hidden)  # tokens + grad in, outputs out
-    assert stage_bytes_per_sample(MANIFEST, 1) == (hidden + length * 8, hidden)  # inputs + targets in, grad out
+    assert stage_bytes_per_sample(full, 0) == (length * 8 + hidden, hidden)  # tokens + grad in, outputs out
+    assert stage_bytes_per_sample(full, 1) == (hidden + length * 8, hidden)  # inputs + targets in, grad out
     half = manifest_from_dict(tiny_manifest_dict(training={"activation_compression": "float16"}))
     assert stage_bytes_per_sample(half, 0)[1] == hidden // 2
+    assert MANIFEST.training.activation_compression == "8bit"  # the default: a byte per element
+    assert stage_bytes_per_sample(MANIFEST, 0)[1] == hidden // 4
     # 1 MB/s down, 10 MB/s up: the download is the limit
-    assert network_throughput(MANIFEST, 1, 1e6, 1e7) == pytest.approx(1e6 / (hidden + length * 8))
+    assert network_throughput(full, 1, 1e6, 1e7) == pytest.approx(1e6 / (hidden + length * 8))
     assert Throughput(compute=50.0, network=20.0).serving == 20.0
 
 

@@ -1,9 +1,8 @@
 """Trainer: reads its data shard, pushes microbatches through one peer per stage and back.
 
 The choice of a peer per stage is swarm/routing.py's (by the trainer's own observations); this module sends the
-calls (swarm/client/rpc.py, or this peer's own server directly), keeps each stage's inputs so that a failed
-backward can be recomputed elsewhere, retries and bans, and reports progress (TrainerStats, and a report in the
-DHT). Nothing waits forever: every call has a timeout and every microbatch a deadline. The rules:
+calls (swarm/client/rpc.py, or this peer's own server directly; the relay pipeline's are in
+swarm/client/relay.py), retries and bans, and reports progress (TrainerStats, and a report in the DHT). Nothing waits forever: every call has a timeout and every microbatch a deadline. The rules:
 docs/ARCHITECTURE.md, "Trainer".
 """
 
@@ -15,7 +14,6 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,6 +23,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from swarm import protocol
+from swarm.client.relay import NO_PEER_WAIT, RelayedPipeline
 from swarm.client.rpc import call_stage
 from swarm.client.window import AdaptiveWindow
 from swarm.coordinates import Vivaldi
@@ -39,14 +38,7 @@ from swarm.stats import Traffic, TrainerStats
 
 logger = logging.getLogger(__name__)
 
-NO_PEER_WAIT = 0.5
 REPORT_WINDOW = 30.0
-
-
-@dataclass
-class _Hop:
-    peer_id: str
-    inputs: torch.Tensor
 
 
 class Trainer:
@@ -87,6 +79,9 @@ class Trainer:
         self.bytes_sent = 0  # activations, gradients and tokens sent to stage peers (not counting local calls)
         self.bytes_received = 0
         self.recent: collections.deque[tuple[float, float, int]] = collections.deque()  # (time, loss, samples)
+        self.relay = RelayedPipeline(
+            manifest, self.router, self.view, self.rng, self._send, self._ban, self.proof, self.unserved_stages
+        )
 
     # ------------------------------------------------------------------------------------------- training
 
@@ -130,7 +125,7 @@ class Trainer:
     async def _train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         if self.manifest.training.pipeline == "forward":
             return await self._forwarded_microbatch(inputs, targets)
-        return await self._relayed_microbatch(inputs, targets)
+        return await self.relay.microbatch(inputs, targets)
 
     # ------------------------------------------------------------------ forwarded: stage to stage
 
@@ -236,63 +231,12 @@ class Trainer:
         self.traffic.activation_received += reply.ByteSize()
         return reply
 
-    # ---------------------------------------------------------------- relayed: through the trainer
-
-    async def _relayed_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
-        microbatch_id = uuid.uuid4().hex
-        deadline = time.monotonic() + self.manifest.training.timeouts.microbatch
-        last = self.manifest.num_stages - 1
-        hidden = (*inputs.shape, self.manifest.model.width)  # shape of activations and their gradients
-        samples = inputs.shape[0]
-        hops: list[_Hop] = []
-        try:
-            x = inputs
-            for stage in range(last):
-                # the peer's work on this microbatch counts as outstanding until its backward is done
-                peer_id, (x_next,) = await self._call(
-                    stage, "forward", microbatch_id, [x], [hidden], deadline, hold=True
-                )
-                hops.append(_Hop(peer_id, x))
-                x = x_next
-            expect = [(), hidden] if last else [()]  # the loss, and the gradient of the last stage's inputs
-            _, outputs = await self._call(last, "forward", microbatch_id, [x, targets], expect, deadline)
-            loss, grad = float(outputs[0]), outputs[-1]
-            for stage in reversed(range(last)):
-                grad = await self._backward(stage, hops[stage], microbatch_id, grad, hidden, deadline)
-                self.router.finished(hops.pop().peer_id, samples)
-        finally:
-            for hop in hops:
-                self.router.finished(hop.peer_id, samples)
-        return loss, samples
-
-    async def _backward(
-        self, stage: int, hop: _Hop, microbatch_id: str, grad: torch.Tensor, hidden: tuple[int, ...], deadline: float
-    ) -> torch.Tensor | None:
-        """Backward of one stage: to the peer that ran forward, else recomputed from the inputs on any peer."""
-        expect = [] if stage == 0 else [hidden]
-        try:
-            # the peer that ran forward still holds the activations: send only the gradient
-            outputs = await self._call_peer(stage, hop.peer_id, "backward", microbatch_id, [grad], expect, deadline)
-        except RemoteStageError as e:
-            if e.code not in ("unknown_microbatch", "busy", "wrong_stage"):
-                self._ban(hop.peer_id, f"backward on stage {stage}: {e}")
-            # the peer lost the activations (or is busy): let it, or another peer, recompute from the inputs
-            prefer = hop.peer_id if e.code in ("unknown_microbatch", "busy") else None
-            _, outputs = await self._call(
-                stage, "backward", microbatch_id, [grad, hop.inputs], expect, deadline, prefer=prefer
-            )
-        except Exception as e:  # timeout or connection failure: the peer may still be working on it
-            self._ban(hop.peer_id, f"backward on stage {stage} failed: {type(e).__name__}: {e}")
-            _, outputs = await self._call(stage, "backward", microbatch_id, [grad, hop.inputs], expect, deadline)
-        return outputs[0] if expect else None
-
     # ---------------------------------------------------------------------------------------- evaluation
 
     async def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]], timeout: float = 120.0) -> float:
         """Mean loss of the swarm's current model on the given batches (forward only, nothing is trained)."""
         deadline = time.monotonic() + timeout
         semaphore = asyncio.Semaphore(self.manifest.training.max_in_flight)
-        last = self.manifest.num_stages - 1
 
         async def one(inputs: torch.Tensor, targets: torch.Tensor) -> float:
             async with semaphore:
@@ -301,107 +245,11 @@ class Trainer:
                         inputs, targets, train=False, timeout=max(deadline - time.monotonic(), 0.1)
                     )
                     return loss
-                microbatch_id = uuid.uuid4().hex
-                hidden = (*inputs.shape, self.manifest.model.width)
-                x = inputs
-                for stage in range(last):
-                    _, (x,) = await self._call(stage, "forward", microbatch_id, [x], [hidden], deadline, train=False)
-                _, (loss,) = await self._call(last, "forward", microbatch_id, [x, targets], [()], deadline, train=False)
-                return float(loss)
+                return await self.relay.evaluate(inputs, targets, deadline)
 
         async with asyncio.TaskGroup() as group:  # the first failure cancels the rest
             tasks = [group.create_task(one(*batch)) for batch in batches]
         return float(np.mean([task.result() for task in tasks]))
-
-    # ---------------------------------------------------------------------------------------------- calls
-
-    async def _call(
-        self,
-        stage: int,
-        kind: str,
-        microbatch_id: str,
-        tensors: list[torch.Tensor],
-        expect: list[tuple[int, ...]],
-        deadline: float,
-        train: bool = True,
-        prefer: str | None = None,
-        hold: bool = False,
-    ) -> tuple[str, list[torch.Tensor]]:
-        """Call some online peer of `stage` (`prefer` first), retrying on other peers until the deadline.
-
-        The samples count as outstanding at the chosen peer during the call and, with `hold`, after a success
-        too (the caller then calls router.finished)."""
-        tried: set[str] = set()
-        last_error: Exception | None = None
-        samples = tensors[0].shape[0]
-        while time.monotonic() < deadline:
-            if prefer is not None and prefer not in tried:
-                peer_id = prefer
-            else:
-                peer_id = await self._pick(stage, tried, samples)
-            if peer_id is None:
-                tried.clear()  # every peer failed once: let them be tried again after a pause
-                await asyncio.sleep(NO_PEER_WAIT)
-                continue
-            tried.add(peer_id)
-            self.router.started(peer_id, samples)
-            succeeded = False
-            try:
-                begin = time.monotonic()
-                outputs = await self._call_peer(stage, peer_id, kind, microbatch_id, tensors, expect, deadline, train)
-                succeeded = True
-                if kind == "forward":
-                    self.router.observed(peer_id, samples, time.monotonic() - begin)
-                return peer_id, outputs
-            except RemoteStageError as e:
-                last_error = e
-                if e.code not in ("busy", "wrong_stage"):  # a peer that moved did nothing wrong
-                    self._ban(peer_id, f"{kind} on stage {stage}: {e}")
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # timeouts, connection errors
-                last_error = e
-                self._ban(peer_id, f"{kind} on stage {stage} failed: {type(e).__name__}: {e}")
-            finally:
-                if not (succeeded and hold):
-                    self.router.finished(peer_id, samples)
-        raise MicrobatchFailedError(
-            f"stage {stage} {kind} did not succeed before the deadline (last error: {last_error!r})"
-        )
-
-    async def _call_peer(
-        self,
-        stage: int,
-        peer_id: str,
-        kind: str,
-        microbatch_id: str,
-        tensors: list[torch.Tensor],
-        expect: list[tuple[int, ...]],
-        deadline: float,
-        train: bool = True,
-    ) -> list[torch.Tensor]:
-        """One call to one peer; the reply must hold float32 tensors of exactly the `expect`ed shapes."""
-        timeouts = self.manifest.training.timeouts
-        timeout = min(
-            timeouts.forward if kind == "forward" else timeouts.backward, max(deadline - time.monotonic(), 0.1)
-        )
-        request = protocol.make_request(self.manifest, stage, microbatch_id, tensors, train=train, proof=self.proof)
-        return check_reply(await self._send(peer_id, kind, request, timeout), expect, self.max_elements)
-
-    async def _pick(self, stage: int, tried: set[str], samples: int) -> str | None:
-        online = online_peers(await self.view.stage(stage), get_dht_time())
-        chosen = self.router.choose(online, samples, time.monotonic(), self.rng, exclude=tried)
-        if chosen is None:  # peers may have joined since the last look
-            online = online_peers(await self.view.stage(stage, force=True), get_dht_time())
-            chosen = self.router.choose(online, samples, time.monotonic(), self.rng, exclude=tried)
-            if online:
-                self.unserved_stages.discard(stage)
-            elif stage not in self.unserved_stages:
-                self.unserved_stages.add(stage)
-                logger.warning(f"no online peer serves stage {stage}; waiting for one to join")
-        else:
-            self.unserved_stages.discard(stage)
-        return None if chosen is None else chosen.peer_id
 
     def _ban(self, peer_id: str, reason: str) -> None:
         seconds = self.router.failed(peer_id, time.monotonic())
