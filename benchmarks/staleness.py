@@ -81,12 +81,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=3072)
     parser.add_argument("--windows", default="1,2,4,8")
     parser.add_argument("--manifest", default=str(ROOT / "examples" / "demo.json"))
-    parser.add_argument("--activation-compression", choices=list(protocol.COMPRESSIONS), default="float32")
+    parser.add_argument("--activation-compression", choices=list(protocol.COMPRESSIONS), help="default: the manifest's")
     parser.add_argument("--lr", choices=["both", "full", "scaled"], default="both", help="learning rate(s) to run")
     args = parser.parse_args()
     torch.set_num_threads(2)
     raw = json.loads(Path(args.manifest).read_text())
     raw["initial_peers"] = []
+    if args.activation_compression is None:
+        args.activation_compression = manifest_from_dict(raw).training.activation_compression
     result: dict[str, float | str] = {"samples": args.samples, "activation_compression": args.activation_compression}
     lrs = {"both": (False, True), "full": (False,), "scaled": (True,)}[args.lr]
     for window in [int(w) for w in args.windows.split(",")]:

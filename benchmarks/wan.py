@@ -1,7 +1,7 @@
 """WAN benchmark: a 3-stage swarm with trainers, on loopback and behind emulated home links, both pipelines.
 
     python benchmarks/wan.py [--seconds 40] [--settings unshaped,nanogpt,...] [--pipelines forward,relay]
-                             [--activation-compression float32|float16|8bit]
+                             [--activation-compression float32|float16|8bit] [--window 16] [--fixed-window]
 
 Each peer (one per stage, a second one on stage 1 in the hetero settings, and two trainer-only peers) sits behind its own emulated link (swarm/emulated_links.py:
 bandwidth per direction, one-way delay; a path between two peers crosses both their links). For each setting and
@@ -43,6 +43,7 @@ from swarm.manifest_loading import write_manifest  # noqa: E402
 from swarm.presets import new_manifest  # noqa: E402
 
 STAGES = 3
+ADAPTIVE_WINDOW = [True]  # --fixed-window: trainers keep --window in flight
 TRAINERS = 2
 HETERO = [["100mbit/10ms"], ["100mbit/10ms", "10mbit/100ms"], ["100mbit/10ms"]]
 SETTINGS = {  # per stage, the links of its peers; the trainers' link; how trainers route
@@ -57,9 +58,11 @@ SETTINGS = {  # per stage, the links of its peers; the trainers' link; how train
 }
 
 
-def manifest_for(pipeline: str, window: int, routing: str, compression: str) -> dict:
+def manifest_for(pipeline: str, window: int, routing: str, compression: str | None) -> dict:
     manifest = new_manifest(f"wan-{pipeline}", "tiny").to_dict(with_peers=False)
-    manifest["training"]["activation_compression"] = compression
+    if compression is not None:
+        manifest["training"]["activation_compression"] = compression
+    manifest["training"]["adaptive_window"] = ADAPTIVE_WINDOW[0]
     manifest["model"]["depth"] = 6  # two layers per stage
     manifest["stages"] = {"count": STAGES}
     manifest["training"]["pipeline"] = pipeline
@@ -70,7 +73,7 @@ def manifest_for(pipeline: str, window: int, routing: str, compression: str) -> 
 
 
 def run_setting(
-    name: str, pipeline: str, seconds: float, warmup: float, window: int, compression: str, folder: Path
+    name: str, pipeline: str, seconds: float, warmup: float, window: int, compression: str | None, folder: Path
 ) -> dict:
     setting = SETTINGS[name]
     routing = setting.get("routing", "network_aware")
@@ -139,7 +142,7 @@ def run_setting(
         "setting": name,
         "pipeline": pipeline,
         "routing": routing,
-        "activation_compression": compression,
+        "activation_compression": manifest["training"]["activation_compression"],
         "links": setting["stages"][0][0] if uniform else {**links_of, "trainers": setting["trainer"]},
         "samples_per_second": round(samples / took, 2),
         "network_bound": round(min(bounds), 2) if bounds else None,
@@ -186,10 +189,11 @@ def main() -> None:
     parser.add_argument(
         "--activation-compression",
         choices=["float32", "float16", "8bit"],
-        default="float32",
-        help="how stages send activations and gradients (default float32)",
+        help="how stages send activations and gradients (default: the manifest's, 8bit)",
     )
+    parser.add_argument("--fixed-window", action="store_true", help="always --window in flight (default: adaptive)")
     args = parser.parse_args()
+    ADAPTIVE_WINDOW[0] = not args.fixed_window
     names = [n for n in args.settings.split(",") if n]
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:

@@ -58,6 +58,16 @@ def test_window_grows_to_fill_the_pipe_and_shrinks_when_microbatches_queue():
     assert window.size < 8
     window.failed()
     assert window.size >= 1
+    # a route of 3 stages keeps 1-2 queued per stage: round trips 1.5x the base at a window of 6 (2 queued) let it
+    # grow, where a one-stage route shrinks
+    for stages, grows in ((3, True), (1, False)):
+        route = AdaptiveWindow(maximum=16, stages=stages)
+        route.size, now = 6, 0.0
+        route.observe(1.0, now)  # the base
+        for _ in range(12):
+            now += 0.1
+            route.observe(1.5, now)
+        assert (route.size > 6) == grows, (stages, route.size)
     fixed = AdaptiveWindow(maximum=4, adaptive=False)
     fixed.observe(5.0, 1.0)
     assert fixed.size == 4

@@ -69,7 +69,8 @@ class Trainer:
         self.rng = random.Random(seed)
         self.max_elements = protocol.max_request_elements(manifest)
         adaptive = manifest.training.adaptive_window and manifest.training.pipeline == "forward"
-        self.window = AdaptiveWindow(manifest.training.max_in_flight, adaptive)  # microbatches in flight
+        # microbatches in flight
+        self.window = AdaptiveWindow(manifest.training.max_in_flight, adaptive, stages=manifest.num_stages)
         self.router = Router(network_aware=manifest.training.routing == "network_aware")
         self.position = position  # this peer's network coordinate (client/pinger.py keeps it), for route estimates
         self.unserved_stages: set[int] = set()  # stages with no online peer at the last look

@@ -5,24 +5,28 @@ one, so one microbatch in flight leaves every link and stage idle most of the ti
 slowest stage, where they wait and make gradients staler. The window follows TCP Vegas (Brakmo and Peterson,
 1995): with the smallest round trip seen recently as the base (the pipe without queues) and the recent round trip
 (with queues), `window x (1 - base / recent)` is the number of this trainer's microbatches waiting in queues
-somewhere on the route. Once per window of completions the window grows by one while fewer than ALPHA wait, and
-shrinks by one when more than BETA do. Several trainers that share stages each keep ALPHA to BETA microbatches
-queued, so together they fill the pipe without flooding it. The window stays within [1, maximum].
+somewhere on the route. Once per window of completions the window grows by one while fewer than ALPHA per stage
+of the route wait, and shrinks by one when more than BETA per stage do: unlike TCP's one bottleneck, a route has a
+queue at every stage and link in series, and each needs work waiting to stay busy (behind 20 Mbit/s links, 3
+stages: 1–2 in all kept 3 in flight and 38 samples/s, 1–2 per stage 6 and 44, a fixed 16 51; docs/BENCHMARKS.md).
+Several trainers that share stages each keep their share queued, so together they fill the pipe without flooding
+it. The window stays within [1, maximum].
 """
 
 from __future__ import annotations
 
 import collections
 
-ALPHA = 1.0  # microbatches queued on the route below which the window grows
+ALPHA = 1.0  # microbatches queued per stage of the route below which the window grows
 BETA = 2.0  # ... above which it shrinks
 BASE_WINDOW_SECONDS = 30.0  # the base round trip is the smallest of this long (routes and loads change)
 EMA_WEIGHT = 0.25
 
 
 class AdaptiveWindow:
-    def __init__(self, maximum: int, adaptive: bool = True):
+    def __init__(self, maximum: int, adaptive: bool = True, stages: int = 1):
         self.maximum = max(int(maximum), 1)
+        self.stages = max(int(stages), 1)  # on the route: queues in series
         self.adaptive = adaptive
         self.size = 1 if adaptive else self.maximum
         self.recent: float | None = None  # EMA of round trips
@@ -53,9 +57,9 @@ class AdaptiveWindow:
             return
         self._since_change = 0
         queued = self.queued()
-        if queued < ALPHA and self.size < self.maximum:
+        if queued < ALPHA * self.stages and self.size < self.maximum:
             self.size += 1
-        elif queued > BETA and self.size > 1:
+        elif queued > BETA * self.stages and self.size > 1:
             self.size -= 1
 
     def failed(self) -> None:
