@@ -26,7 +26,7 @@ from hivemind.proto import runtime_pb2  # noqa: E402
 
 from swarm.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
 
-SIZES = [100, 65536, 262144, 1048576, 4194304]
+SIZES = [100, 65536, 262144, 1048576]  # a unary call carries at most 4 MiB
 CONCURRENT = 4
 
 
