@@ -7,8 +7,9 @@ learning rate (swarm/server/staleness.py).
 Stage 0 runs forward for a microbatch, and its backward only once `window` microbatches are in flight, as in a
 pipeline whose round trip spans `window` microbatches; the last stage runs forward and backward at once. No network,
 so the figure is the optimisation's alone: the held-out loss at the end (64 fixed held-out microbatches), the mean
-train loss of the last 20 microbatches, and stage 0's measured delay in optimizer steps. With --activation-compression, activations and gradients pass through the wire encoding
-(swarm/protocol.py) between the stages, as they would between peers. Prints one JSON line.
+train loss of the last 20 microbatches, and stage 0's measured delay in optimizer steps. Activations and gradients
+pass through the wire encoding (swarm/protocol.py) between the stages, as they would between peers, in the
+manifest's activation_compression or --activation-compression. Prints one JSON line.
 """
 
 from __future__ import annotations

@@ -38,12 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import stop_on_sigterm  # noqa: E402
 from peers import processes  # noqa: E402
 from swarm.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
-from swarm.manifest import manifest_from_dict  # noqa: E402
+from swarm.manifest import COMPRESSIONS, manifest_from_dict  # noqa: E402
 from swarm.manifest_loading import write_manifest  # noqa: E402
 from swarm.presets import new_manifest  # noqa: E402
 
 STAGES = 3
-ADAPTIVE_WINDOW = [True]  # --fixed-window: trainers keep --window in flight
 TRAINERS = 2
 HETERO = [["100mbit/10ms"], ["100mbit/10ms", "10mbit/100ms"], ["100mbit/10ms"]]
 SETTINGS = {  # per stage, the links of its peers; the trainers' link; how trainers route
@@ -58,11 +57,11 @@ SETTINGS = {  # per stage, the links of its peers; the trainers' link; how train
 }
 
 
-def manifest_for(pipeline: str, window: int, routing: str, compression: str | None) -> dict:
+def manifest_for(pipeline: str, window: int, adaptive: bool, routing: str, compression: str | None) -> dict:
     manifest = new_manifest(f"wan-{pipeline}", "tiny").to_dict(with_peers=False)
     if compression is not None:
         manifest["training"]["activation_compression"] = compression
-    manifest["training"]["adaptive_window"] = ADAPTIVE_WINDOW[0]
+    manifest["training"]["adaptive_window"] = adaptive  # else always `window` in flight
     manifest["model"]["depth"] = 6  # two layers per stage
     manifest["stages"] = {"count": STAGES}
     manifest["training"]["pipeline"] = pipeline
@@ -73,11 +72,18 @@ def manifest_for(pipeline: str, window: int, routing: str, compression: str | No
 
 
 def run_setting(
-    name: str, pipeline: str, seconds: float, warmup: float, window: int, compression: str | None, folder: Path
+    name: str,
+    pipeline: str,
+    seconds: float,
+    warmup: float,
+    window: int,
+    adaptive: bool,
+    compression: str | None,
+    folder: Path,
 ) -> dict:
     setting = SETTINGS[name]
     routing = setting.get("routing", "network_aware")
-    manifest = manifest_for(pipeline, window, routing, compression)
+    manifest = manifest_for(pipeline, window, adaptive, routing, compression)
     label = f"{name}-{pipeline}"
     path = folder / f"{label}.json"
     write_manifest_dict(manifest, path)
@@ -188,12 +194,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--activation-compression",
-        choices=["float32", "float16", "8bit"],
+        choices=COMPRESSIONS,
         help="how stages send activations and gradients (default: the manifest's, 8bit)",
     )
     parser.add_argument("--fixed-window", action="store_true", help="always --window in flight (default: adaptive)")
     args = parser.parse_args()
-    ADAPTIVE_WINDOW[0] = not args.fixed_window
     names = [n for n in args.settings.split(",") if n]
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
@@ -208,7 +213,14 @@ def main() -> None:
         relay_names = [n for n in names if n in args.relay_settings.split(",")]
         for name in names if pipeline == "forward" else relay_names:
             result = run_setting(
-                name, pipeline, args.seconds, args.warmup, args.window, args.activation_compression, folder
+                name,
+                pipeline,
+                args.seconds,
+                args.warmup,
+                args.window,
+                not args.fixed_window,
+                args.activation_compression,
+                folder,
             )
             if name == "unshaped":
                 compute_bound = result["samples_per_second"]

@@ -182,6 +182,39 @@ def test_two_stage_swarm_refuses_malformed_requests_then_trains_and_heldout_loss
 
 
 @pytest.mark.slow(35)
+def test_the_relay_pipeline_trains_with_the_trainer_carrying_the_activations(start_peer, write_manifest):
+    """training.pipeline: relay (swarm/client/relay.py): the trainer calls each stage in turn."""
+    raw = tiny_manifest_dict(training={"pipeline": "relay"})
+    first = start_peer(write_manifest(raw), "--stage", "0", "--no-trainer")
+    raw["initial_peers"] = [first.maddr()]
+    manifest = manifest_from_dict(raw)
+    start_peer(write_manifest(raw, "joined.json"), "--stage", "1", "--no-trainer")
+    dht = client_dht(first.maddr())
+    try:
+        wait_online(dht, manifest, [1, 1])
+        tokens = TextData.load("stdlib", shard=2, shards=4)
+        batches = heldout_batches(tokens.heldout, 2, 8, manifest.model.context_length)
+
+        async def run() -> tuple[Trainer, float]:
+            p2p = await dht.replicate_p2p()
+            trainer = Trainer(manifest, dht, p2p, str(dht.peer_id), seed=0)
+            await trainer.train(tokens.train, asyncio.Event(), max_samples=8 * 20)
+            loss = await trainer.evaluate(batches)
+            await p2p.shutdown()
+            return trainer, loss
+
+        trainer, loss = asyncio.run(run())
+        assert trainer.samples >= 8 * 20 and trainer.failed_microbatches == 0
+        assert 0 < loss < 10
+        # stage 0's outputs and stage 1's input gradients came back to the trainer: at least one 8-bit activation
+        # each (a byte per element) per sample, far more than the tokens the forward pipeline would send
+        activation = manifest.model.context_length * manifest.model.width
+        assert trainer.bytes_received > 2 * activation * trainer.samples, trainer.bytes_received
+    finally:
+        dht.shutdown()
+
+
+@pytest.mark.slow(35)
 def test_trainer_survives_sigkill_of_a_replica(start_peer, write_manifest):
     raw = tiny_manifest_dict()
     text = Path(write_manifest({}, "unused.json")).parent / "corpus.txt"

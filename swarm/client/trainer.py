@@ -2,8 +2,9 @@
 
 The choice of a peer per stage is swarm/routing.py's (by the trainer's own observations); this module sends the
 calls (swarm/client/rpc.py, or this peer's own server directly; the relay pipeline's are in
-swarm/client/relay.py), retries and bans, and reports progress (TrainerStats, and a report in the DHT). Nothing waits forever: every call has a timeout and every microbatch a deadline. The rules:
-docs/ARCHITECTURE.md, "Trainer".
+swarm/client/relay.py), retries and bans, and reports progress (TrainerStats, and a report in the DHT). Nothing
+waits forever: every call has a timeout and every microbatch a deadline. The rules: docs/ARCHITECTURE.md,
+"Trainer".
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ class Trainer:
         self.rng = random.Random(seed)
         self.max_elements = protocol.max_request_elements(manifest)
         adaptive = manifest.training.adaptive_window and manifest.training.pipeline == "forward"
-        # microbatches in flight
-        self.window = AdaptiveWindow(manifest.training.max_in_flight, adaptive, stages=manifest.num_stages)
+        self.window = AdaptiveWindow(  # microbatches in flight
+            manifest.training.max_in_flight, adaptive, stages=manifest.num_stages
+        )
         self.router = Router(network_aware=manifest.training.routing == "network_aware")
         self.position = position  # this peer's network coordinate (client/pinger.py keeps it), for route estimates
         self.unserved_stages: set[int] = set()  # stages with no online peer at the last look
