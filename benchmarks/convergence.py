@@ -1,21 +1,30 @@
-"""Convergence benchmark: does a swarm whose replicas average train as well as one process, on the same tokens?
+"""Convergence benchmark: does a swarm whose replicas average train as well as synchronous data parallel, on the
+same tokens, at a fraction of its traffic?
 
-    python benchmarks/convergence.py [--samples 16384] [--manifest examples/demo.json] [--runs abcd]
-                                     [--every-samples N] [--compression 8bit] [--max-in-flight 1]
+    python benchmarks/convergence.py [--samples 16384] [--seeds 0,1] [--runs agbcd] [--manifest examples/demo.json]
+                                     [--every-samples N] [--compression 8bit] [--outer-lr X] [--outer-momentum X]
+                                     [--max-in-flight 1]
+    python benchmarks/convergence.py --samples 65536 --runs gbd      # the longer horizon (about an hour a seed)
 
-(a) trains the whole model in one process; (b), (c), (d) train it in a local swarm with 2 replicas per stage
-(one stage peer each, 1 thread) driven by two trainers in this process, each on its own data shard and half
-of the samples: (b) with parameter averaging, (c) in DiLoCo mode, (d) with replicas that never average. (a)
-alternates microbatches from the same two shards. All runs share the model, seed, optimizer, microbatch size
-and steps; the averaging settings are the manifest's (--every-samples and --compression override them).
+Five runs on the same samples, model and optimizer: (a) one process with the replica's batch (as many sequential
+optimizer steps as both replicas together: no averaging scheme can reach it at equal samples); (g) one process
+with the global batch, as many samples per optimizer step as all replicas of a stage together, i.e. synchronous
+data parallel with a per-step all-reduce: the anchors' baseline, written (a') in the docs; (b), (c), (d) a local
+swarm with 2 replicas per stage (one stage peer each, 1 thread) driven by two trainers in this process, each on its
+own data shard and half of the samples: (b) parameter averaging, (c) DiLoCo mode, (d) replicas that never average.
+(a) and (g) alternate microbatches from the same two shards. The averaging settings are the manifest's (the flags
+override them). Every run is repeated for each seed (the model's initialisation and the data order change); each
+figure is the mean over the seeds, with its spread (max - min) and the values.
 
 Held-out loss: every peer's final state is downloaded; the model is assembled for every combination of
 replicas (one per stage) and evaluated on fixed held-out batches; the figure is the mean over combinations,
 i.e. the loss of the models the swarm actually serves.
 
 Bytes: "averaging bytes per token" is what the peers sent in averaging rounds (their announced totals) per
-token trained. "allreduce_over_actual" is what all-reducing fp32 gradients after every local optimizer step
-would have sent (each replica 2(n-1)/n x 4 bytes x its stage's parameters per step) over what was sent.
+token trained. "allreduce_over_actual" is what (g), run as synchronous data parallel over the same replicas,
+would have sent (each replica 2(n-1)/n x 4 bytes x its stage's parameters per optimizer step, fp32 gradients)
+over what was sent. Rounds: per swarm run, the peers' averaging-round events by outcome (applied, skipped,
+dropped, alone, caught_up) and the stage states taken to catch up, summed over the peers.
 
 Prints one JSON line.
 """
@@ -31,6 +40,7 @@ import math
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -58,38 +68,47 @@ from swarm.model import build_full_model, build_stage, count_parameters  # noqa:
 
 REPLICAS = 2
 EVAL_BATCHES = 16
+SWARM_RUNS = {"b": "parameters", "c": "diloco", "d": "none"}
+ALL_RUNS = "agbcd"
 
 
 def shard_data(manifest: Manifest, shard: int) -> np.ndarray:
     return TextData.load(manifest.data.source, manifest.data.heldout_fraction, shard, manifest.data.shards).train
 
 
-def single_process(manifest: Manifest, samples: int, batches) -> dict:
-    """(a): one model, microbatches alternating between the two trainers' shards, one step per k microbatches."""
-    torch.manual_seed(0)
+def with_seed(manifest: Manifest, seed: int) -> Manifest:
+    """The manifest whose model initialises from `seed` (the data order follows the seed too: see the runs)."""
+    return dataclasses.replace(manifest, model=dataclasses.replace(manifest.model, seed=seed))
+
+
+def single_process(manifest: Manifest, samples: int, batches, seed: int, microbatches_per_step: int) -> dict:
+    """(a) and (g): one model, microbatches alternating between the two trainers' shards, one optimizer step per
+    `microbatches_per_step` microbatches (a: the replica's step; g: the global batch of all replicas)."""
+    torch.manual_seed(seed)
     training = manifest.training
     shards = [shard_data(manifest, s) for s in range(REPLICAS)]
-    rngs = [np.random.default_rng(s) for s in range(REPLICAS)]
+    rngs = [np.random.default_rng(100 * seed + s) for s in range(REPLICAS)]
     model = build_full_model(manifest.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
-    begin = time.monotonic()
+    begin, steps = time.monotonic(), 0
     for i in range(samples // training.microbatch_size):
         tokens = shards[i % REPLICAS]
         x, y = sample_batch(tokens, training.microbatch_size, manifest.model.context_length, rngs[i % REPLICAS])
-        (model.loss(model(x), y) / training.microbatches_per_step).backward()
-        if (i + 1) % training.microbatches_per_step == 0:
+        (model.loss(model(x), y) / microbatches_per_step).backward()
+        if (i + 1) % microbatches_per_step == 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            steps += 1
     seconds = time.monotonic() - begin
     state = {name: p.detach() for name, p in model.named_parameters()}
-    return {"heldout_loss": heldout_loss(manifest, state, batches), "seconds": seconds}
+    return {"heldout_loss": heldout_loss(manifest, state, batches), "seconds": seconds, "optimizer_steps": steps}
 
 
-def swarm_run(manifest: Manifest, mode: str, samples: int, batches, workdir: Path) -> dict:
+def swarm_run(manifest: Manifest, mode: str, samples: int, batches, seed: int, workdir: Path) -> dict:
     """(b)/(c)/(d): 2 replicas per stage, 2 trainers here, then every replica's state downloaded."""
     manifest = dataclasses.replace(manifest, averaging=dataclasses.replace(manifest.averaging, mode=mode))
-    logs = workdir / mode
+    logs = workdir / f"{mode}-seed{seed}"
     logs.mkdir(parents=True)
     dht = joining.start_dht([], joining.LOOPBACK)
     manifest = manifest.with_initial_peers([str(a) for a in dht.get_visible_maddrs()])
@@ -107,17 +126,25 @@ def swarm_run(manifest: Manifest, mode: str, samples: int, batches, workdir: Pat
                     extra=["--checkpoint-dir", str(logs / "checkpoints"), "--checkpoint-every", "0"],
                 )
             )
-        return asyncio.run(_drive(dht, manifest, samples, batches))
+        result = asyncio.run(_drive(dht, manifest, samples, batches, seed))
+        return {**result, **round_outcomes(peers)}
     finally:
         stop_peers(peers)
         dht.shutdown()
 
 
-async def _drive(dht, manifest: Manifest, samples: int, batches) -> dict:
+def round_outcomes(peers) -> dict:
+    """What the peers printed about their rounds: outcomes counted over all peers, and catch-up downloads."""
+    outcomes = Counter(e.get("outcome") for p in peers for e in p.events("averaging_round"))
+    catch_ups = sum(e.get("reason") == "catch_up" for p in peers for e in p.events("state_taken"))
+    return {"round_outcomes": dict(outcomes), "state_downloads": catch_ups}
+
+
+async def _drive(dht, manifest: Manifest, samples: int, batches, seed: int) -> dict:
     p2p = await dht.replicate_p2p()
     if not await wait_online(dht, manifest, REPLICAS, timeout=180):
         raise RuntimeError("the swarm's peers did not come online within 3 minutes")
-    trainers = [Trainer(manifest, dht, p2p, f"{dht.peer_id}-trainer{k}", seed=k) for k in range(REPLICAS)]
+    trainers = [Trainer(manifest, dht, p2p, f"{dht.peer_id}-trainer{k}", seed=100 * seed + k) for k in range(REPLICAS)]
     begin = time.monotonic()
     stop = asyncio.Event()
     await asyncio.gather(
@@ -141,25 +168,56 @@ async def _drive(dht, manifest: Manifest, samples: int, batches) -> dict:
     await p2p.shutdown()
     return {
         "heldout_loss": float(np.mean(losses)),
-        "heldout_loss_spread": float(np.max(losses) - np.min(losses)),
         "replica_distance": float(np.mean(distances)),
         "seconds": seconds,
         "samples": sum(t.samples for t in trainers),
         "failed_microbatches": sum(t.failed_microbatches for t in trainers),
         "averaging_bytes": sum(a.averaging_bytes_sent for a in announcements),
-        "activation_bytes": sum(a.activation_bytes_sent for a in announcements),
         "rounds": min(a.averaging_rounds for a in announcements),
         "allreduce_bytes": allreduce,
     }
 
 
+def summary(values: list[float], digits: int = 4) -> dict:
+    """Mean, spread (max - min) and the values of a figure over the seeds."""
+    return {
+        "mean": round(float(np.mean(values)), digits),
+        "spread": round(float(np.ptp(values)), digits),
+        "runs": [round(float(v), digits) for v in values],
+    }
+
+
+def report(key: str, runs: list[dict], tokens: int) -> dict:
+    """The JSON fields of one run letter over its seeds."""
+    fields: dict = {f"heldout_loss_{key}": summary([r["heldout_loss"] for r in runs])}
+    fields[f"seconds_{key}"] = round(float(np.mean([r["seconds"] for r in runs])), 1)
+    if key in SWARM_RUNS:
+        fields[f"replica_distance_{key}"] = summary([r["replica_distance"] for r in runs], 3)
+        fields[f"failed_microbatches_{key}"] = sum(r["failed_microbatches"] for r in runs)
+        outcomes: Counter = Counter()
+        for r in runs:
+            outcomes.update(r["round_outcomes"])
+        fields[f"round_outcomes_{key}"] = dict(outcomes)
+        fields[f"state_downloads_{key}"] = sum(r["state_downloads"] for r in runs)
+    if key in ("b", "c"):
+        sent = sum(r["averaging_bytes"] for r in runs)
+        fields[f"rounds_{key}"] = [r["rounds"] for r in runs]
+        fields[f"averaging_bytes_per_token_{key}"] = round(sent / (tokens * len(runs)), 3)
+        allreduce = sum(r["allreduce_bytes"] for r in runs)
+        fields[f"allreduce_over_actual_{key}"] = round(allreduce / sent, 1) if sent else math.inf
+    return fields
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=16384, help="samples trained by each run (default 16384)")
+    parser.add_argument("--seeds", default="0,1", help="comma-separated seeds, each a repetition (default 0,1)")
     parser.add_argument("--manifest", default=str(ROOT / "examples" / "demo.json"))
-    parser.add_argument("--runs", default="abcd", help="which runs (default abcd)")
+    parser.add_argument("--runs", default=ALL_RUNS, help=f"which runs, by letter (default {ALL_RUNS})")
     parser.add_argument("--every-samples", type=int, default=None, help="override averaging.every_samples")
     parser.add_argument("--compression", default=None, help="override averaging.compression")
+    parser.add_argument("--outer-lr", type=float, default=None, help="override averaging.outer_learning_rate")
+    parser.add_argument("--outer-momentum", type=float, default=None, help="override averaging.outer_momentum")
     parser.add_argument(
         "--max-in-flight", type=int, default=None, help="override training.max_in_flight (microbatches per trainer)"
     )
@@ -167,50 +225,54 @@ def main() -> None:
     runtime.setup_logging("WARNING")
     torch.set_num_threads(1)  # like each peer: the comparison is of the method, on the same compute per step
     manifest = load_manifest(args.manifest)
-    overrides = {}
-    if args.every_samples is not None:
-        overrides["every_samples"] = args.every_samples
-    if args.compression is not None:
-        overrides["compression"] = args.compression
+    overrides = {
+        name: value
+        for name, value in (
+            ("every_samples", args.every_samples),
+            ("compression", args.compression),
+            ("outer_learning_rate", args.outer_lr),
+            ("outer_momentum", args.outer_momentum),
+        )
+        if value is not None
+    }
     manifest = dataclasses.replace(manifest, averaging=dataclasses.replace(manifest.averaging, **overrides))
     if args.max_in_flight is not None:
         training = dataclasses.replace(manifest.training, max_in_flight=args.max_in_flight)
         manifest = dataclasses.replace(manifest, training=training)
+    seeds = [int(s) for s in args.seeds.split(",")]
     batches = eval_batches(manifest, EVAL_BATCHES)
     tokens = args.samples * manifest.model.context_length
+    averaging = manifest.averaging
     result: dict = {
         "samples": args.samples,
         "tokens": tokens,
-        "every_samples": manifest.averaging.every_samples,
-        "compression": manifest.averaging.compression,
+        "seeds": seeds,
+        "every_samples": averaging.every_samples,
+        "compression": averaging.compression,
+        "outer_learning_rate": averaging.outer_learning_rate,
+        "outer_momentum": averaging.outer_momentum,
         "max_in_flight": manifest.training.max_in_flight,
-        "initial_heldout_loss": round(
-            heldout_loss(manifest, dict(build_full_model(manifest.model).named_parameters()), batches), 4
-        ),
     }
     workdir = Path(tempfile.mkdtemp(prefix="swarm-convergence-"))
-    runs = {}
-    if "a" in args.runs:
-        runs["a"] = single_process(manifest, args.samples, batches)
-        print(f"(a) one process: held-out loss {runs['a']['heldout_loss']:.4f}", file=sys.stderr)
-    for key, mode in (("b", "parameters"), ("c", "diloco"), ("d", "none")):
-        if key in args.runs:
-            runs[key] = swarm_run(manifest, mode, args.samples, batches, workdir)
-            print(f"({key}) {mode}: {json.dumps(runs[key])}", file=sys.stderr)
-    for key, run in runs.items():
-        result[f"heldout_loss_{key}"] = round(run["heldout_loss"], 4)
-        result[f"seconds_{key}"] = round(run["seconds"], 1)
-        if "a" in runs and key != "a":
-            result[f"ratio_{key}_to_a"] = round(run["heldout_loss"] / runs["a"]["heldout_loss"], 4)
-        if key in ("b", "c", "d"):
-            result[f"replica_distance_{key}"] = round(run["replica_distance"], 4)
-            result[f"failed_microbatches_{key}"] = run["failed_microbatches"]
-        if key in ("b", "c"):
-            sent = run["averaging_bytes"]
-            result[f"rounds_{key}"] = run["rounds"]
-            result[f"averaging_bytes_per_token_{key}"] = round(sent / tokens, 2)
-            result[f"allreduce_over_actual_{key}"] = round(run["allreduce_bytes"] / sent, 1) if sent else math.inf
     print(f"peer logs: {workdir}", file=sys.stderr)
+    runs: dict[str, list[dict]] = {}
+    per_step = {"a": manifest.training.microbatches_per_step, "g": REPLICAS * manifest.training.microbatches_per_step}
+    for key in (k for k in ALL_RUNS if k in args.runs):
+        for seed in seeds:
+            seeded = with_seed(manifest, seed)
+            if key in per_step:
+                run = single_process(seeded, args.samples, batches, seed, per_step[key])
+            else:
+                run = swarm_run(seeded, SWARM_RUNS[key], args.samples, batches, seed, workdir)
+            runs.setdefault(key, []).append(run)
+            print(f"({key}) seed {seed}: {json.dumps(run)}", file=sys.stderr)
+    for key, key_runs in runs.items():
+        result.update(report(key, key_runs, tokens))
+    for key in runs:
+        for base in ("a", "g"):
+            if base in runs and key != base:
+                ratio = result[f"heldout_loss_{key}"]["mean"] / result[f"heldout_loss_{base}"]["mean"]
+                result[f"ratio_{key}_to_{base}"] = round(ratio, 4)
     print(json.dumps(result))
 
 
