@@ -339,6 +339,18 @@ class StageAverager:
             momentum = items.get(f"outer/{name}/momentum")
             self.momentum[i] = momentum.clone() if momentum is not None else torch.zeros_like(self.anchor[i])
 
+    @torch.no_grad()
+    def rebase(self, items: dict[str, torch.Tensor]) -> None:
+        """DiLoCo, one round behind: take the stage's new anchor and outer momentum (already checked) and keep this
+        peer's local progress on top of it (parameters = new anchor + (parameters - own anchor)). The steps taken
+        since the round this peer missed are not dropped: they go into its next pseudo-gradient."""
+        assert self.diloco, "only DiLoCo replicas share an anchor"
+        for i, (name, p) in enumerate(zip(self.names, self.params)):
+            anchor, momentum = items[f"outer/{name}/anchor"], items[f"outer/{name}/momentum"]
+            local = p.detach().float().cpu() - self.anchor[i]
+            p.copy_((anchor + local).to(p.device, p.dtype))
+            self.anchor[i], self.momentum[i] = anchor.clone(), momentum.clone()
+
     def shutdown(self) -> None:
         try:
             self._averager.shutdown()

@@ -22,11 +22,11 @@ from swarm.server.state import stage_state_shapes
 pytestmark = pytest.mark.integration
 
 
-def one_stage_swarm(**averaging) -> dict:
+def one_stage_swarm(announce_period: float = 3.0, **averaging) -> dict:
     """One stage (first and last at once): a forward with training on is a whole local training step."""
     return tiny_manifest_dict(
         stages={"count": 1},
-        network={"announce_period": 3.0},  # records live 9 s: a stopped peer looks online a while
+        network={"announce_period": announce_period},  # records live 3 periods: a stopped peer looks online a while
         averaging={"matchmaking_time": 4.0, "timeout": 20.0, **averaging},
     )
 
@@ -142,6 +142,50 @@ def test_replicas_trained_on_different_data_converge_and_a_failed_round_is_skipp
         assert a.process.poll() is None
     finally:
         b.signal_group(signal.SIGCONT)
+
+
+def outer_split(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A DiLoCo replica's anchor, and its local progress (parameters minus anchor), by parameter name."""
+    anchor = {k.removeprefix("outer/").removesuffix("/anchor"): v for k, v in state.items() if k.endswith("/anchor")}
+    return anchor, {name: state[f"param/{name}"] - value for name, value in anchor.items()}
+
+
+@pytest.mark.slow(60)
+def test_a_diloco_replica_that_missed_a_round_keeps_its_local_steps(start_peer, write_manifest, driver):
+    # records live 3 s; a peer is alone once nobody was seen for 2 lifetimes (6 s)
+    raw = one_stage_swarm(announce_period=1.0, mode="diloco", every_samples=64)
+    manifest = manifest_from_dict(raw)
+    a, b = start_pair(start_peer, write_manifest, raw)
+    client = driver(manifest, a.maddr())
+    client.train(a.peer_id(), seed=1, microbatches=2)  # 32 of the round's 64 samples
+    client.train(b.peer_id(), seed=3, microbatches=2)
+    assert not a.events("averaging_round") and not b.events("averaging_round")
+    b_anchor, b_local = outer_split(client.state(b.peer_id()))
+    assert sum(float(v.norm()) for v in b_local.values()) > 0  # b trained: it has local steps of its own
+
+    # b stops answering long enough for a to be alone: a's round applies its own outer step and moves to round 1
+    b.signal_group(signal.SIGSTOP)
+    try:
+        time.sleep(11)  # b's record lapses (3 s), then 2 lifetimes pass without b (6 s)
+        client.train(a.peer_id(), seed=1, microbatches=8)
+        a.wait_for_event("averaging_round", timeout=30, stage=0, round=0, outcome="alone")
+    finally:
+        b.signal_group(signal.SIGCONT)
+    a_anchor, _ = outer_split(client.state(a.peer_id()))
+
+    # b, one round behind, takes the stage's anchor and keeps its local steps on top (it used to take a's whole
+    # state, dropping them: a replica's work lost at every round it missed)
+    b.wait_for_event("state_taken", timeout=30, stage=0, source="peer", reason="rebase")
+    rebased = client.state(b.peer_id())
+    anchor, local = outer_split(rebased)
+    for name in anchor:
+        assert torch.equal(anchor[name], a_anchor[name]), name
+        assert torch.allclose(local[name], b_local[name], atol=1e-6), name
+    assert any(not torch.equal(anchor[name], b_anchor[name]) for name in anchor)  # the anchor did move
+    deadline = time.monotonic() + 10  # b announces its new round number within an announce period
+    while client.announcement(b.peer_id()).averaging_round != 1:
+        assert time.monotonic() < deadline, "b did not announce round 1"
+        time.sleep(0.5)
 
 
 @pytest.mark.slow(95)

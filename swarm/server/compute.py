@@ -310,9 +310,8 @@ class StageCompute:
         counters = {"optimizer_steps": self.counters.optimizer_steps, "averaging_round": self.counters.averaging_round}
         return items, counters
 
-    def load_state(self, items: list[tuple[str, torch.Tensor]], counters: dict[str, int]) -> None:
-        """Take over a stage's state downloaded from another peer or read from a checkpoint. Raises
-        BadRequestError, leaving everything untouched, if the state does not fit."""
+    def _checked_outer_state(self, items: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The DiLoCo outer state among downloaded `items`; BadRequestError if any of it does not fit."""
         outer = {name: tensor for name, tensor in items if name.startswith("outer/")}
         shapes = outer_state_shapes(self.manifest, {n: tuple(p.shape) for n, p in zip(self.param_names, self.params)})
         for name, tensor in outer.items():
@@ -320,6 +319,24 @@ class StageCompute:
                 raise BadRequestError(f"the state holds {name[:200]!r}, which this stage does not have")
             if tuple(tensor.shape) != shapes[name] or tensor.dtype != torch.float32 or not protocol.all_finite(tensor):
                 raise BadRequestError(f"state tensor {name!r} is not a finite float32 tensor of {list(shapes[name])}")
+        return outer
+
+    def rebase(self, items: list[tuple[str, torch.Tensor]], counters: dict[str, int]) -> None:
+        """DiLoCo, one round behind: take the stage's anchor, outer momentum and round number from a peer's state
+        and keep this peer's own local progress and inner optimizer (swarm/averaging.py, StageAverager.rebase).
+        Raises BadRequestError, leaving everything untouched, if the state has no complete outer state."""
+        outer = self._checked_outer_state(items)
+        names = outer_state_shapes(self.manifest, {n: tuple(p.shape) for n, p in zip(self.param_names, self.params)})
+        if self.averager is None or not self.averager.diloco or outer.keys() != names.keys():
+            raise BadRequestError("the state holds no complete DiLoCo outer state to rebase on")
+        self.averager.rebase(outer)
+        self.counters.averaging_round = counters.get("averaging_round", 0)
+        self.weights_version += 1
+
+    def load_state(self, items: list[tuple[str, torch.Tensor]], counters: dict[str, int]) -> None:
+        """Take over a stage's state downloaded from another peer or read from a checkpoint. Raises
+        BadRequestError, leaving everything untouched, if the state does not fit."""
+        outer = self._checked_outer_state(items)
         load_state_tensors(
             [item for item in items if item[0] not in outer], self.param_names, self.params, self.optimizer
         )

@@ -40,6 +40,7 @@ CATCH_UP_BY_DOWNLOAD = 2  # rounds behind the stage from which a peer takes the 
 ROUND_CHECK_PERIOD = 1.0  # seconds between two looks at whether an averaging round is due
 NEAR_ROUND = 0.75  # past this share of a round's samples, those looks read fresh records
 CATCH_UP_TIMEOUT = 120.0
+ALONE_AFTER_LIFETIMES = 2  # a peer is alone once no other peer of the stage was seen for this many record lifetimes
 
 
 @dataclass
@@ -75,6 +76,7 @@ class AveragingRounds:
         self.announce, self.on_event = announce, on_event
         self._view: SwarmView | None = None
         self._p2p: P2P | None = None
+        self._last_seen: dict[str, float] = {}  # peer id -> DHT time this peer last saw it online in the stage
 
     @property
     def round(self) -> int:
@@ -111,17 +113,33 @@ class AveragingRounds:
             others = await self._round_progress_of_others(fresh=True)
             total = swarm_samples_in_round(self.round, mine, others)
         if total >= target:
-            await self.average_round(alone=not others)
+            await self.average_round(alone=self._alone())
+
+    def _alone(self) -> bool:
+        """No other peer of the stage seen online for a while. A record that lapsed for a moment (a loaded peer
+        announces late, a DHT read failed) does not make a peer alone: a round alone in diloco mode moves the
+        stage's round on and the others catch up, so a false 'alone' costs them (rounds.py, _catch_up)."""
+        now = get_dht_time()
+        window = ALONE_AFTER_LIFETIMES * announcement_lifetime(self.manifest.network.announce_period)
+        return not any(now - seen < window for seen in self._last_seen.values())
 
     async def _round_progress_of_others(self, fresh: bool = False) -> list[RoundProgress]:
         assert self._view is not None
         now, lifetime = get_dht_time(), announcement_lifetime(self.manifest.network.announce_period)
+        online = []
+        for a in await self._view.stage(self.stage, force=fresh):
+            if a.peer_id == self.peer_id:
+                continue
+            if a.state == PeerState.ONLINE and a.expiration > now:
+                online.append(a)
+                self._last_seen[a.peer_id] = now
+            elif a.state != PeerState.ONLINE:  # it said it leaves (or moves): it is not waited for
+                self._last_seen.pop(a.peer_id, None)
         return [
             RoundProgress(
                 a.averaging_round, a.round_samples, a.delivered_throughput, now - (a.expiration - lifetime), a.peer_id
             )
-            for a in await self._view.stage(self.stage, force=fresh)
-            if a.state == PeerState.ONLINE and a.peer_id != self.peer_id and a.expiration > now
+            for a in online
         ]
 
     async def _catch_up(self, stage_round: int, ahead: list[str]) -> None:
@@ -130,17 +148,22 @@ class AveragingRounds:
         others; further behind (e.g. restarted from an old checkpoint), it takes the stage's state from a peer at
         that round, since averaging with parameters that far apart would move it too far at once (and rounds that
         move parameters by more than their norm are dropped). In diloco mode the replicas must share one anchor:
-        it always takes the state."""
+        one round behind, it takes the stage's anchor and outer momentum and keeps its own local steps on top
+        (they go into its next pseudo-gradient: dropping them throws away a replica's work at every round it
+        misses); further behind, the whole state."""
         from swarm.client.rpc import download_state  # the client imports the server's service for its stubs
 
         behind = stage_round - self.round
         served = self.worker.counters.samples_served
-        if self.manifest.averaging.mode != "diloco" and behind < CATCH_UP_BY_DOWNLOAD:
+        diloco = self.manifest.averaging.mode == "diloco"
+        if not diloco and behind < CATCH_UP_BY_DOWNLOAD:
             logger.info(f"stage {self.stage} is at averaging round {stage_round}; catching up")
             await self.worker.run(lambda c: c.set_round(stage_round))
             self.counters.round_started_at = served
             self._report(stage_round - 1, RoundOutcome.CAUGHT_UP, 0, 0.0)
             return
+        # DiLoCo one round behind: the stage's anchor and momentum, with this peer's local steps kept on top
+        rebase = diloco and behind == 1
         assert self._p2p is not None
         shapes = stage_state_shapes(self.manifest, self.stage)
         for peer_id in ahead[:STATE_SOURCES]:
@@ -149,20 +172,26 @@ class AveragingRounds:
                 items, counters = await download_state(
                     self._p2p, peer_id, self.manifest, self.stage, shapes, CATCH_UP_TIMEOUT
                 )
-                await self.worker.run(lambda c: c.load_state(items, counters))  # noqa: B023 (awaited at once)
+                if rebase:  # noqa: B023 below: each lambda is awaited at once
+                    await self.worker.run(lambda c: c.rebase(items, counters))  # noqa: B023
+                else:
+                    await self.worker.run(lambda c: c.load_state(items, counters))  # noqa: B023
             except Exception as e:  # that peer may be gone or busy: try another, or again at the next look
                 logger.warning(f"taking the state of stage {self.stage} from {peer_id[-8:]} failed: {e!r}")
                 continue
-            self.counters.round_started_at = self.counters.weight_started_at = self.worker.counters.samples_served
-            why = (
-                "DiLoCo replicas share one anchor"
-                if self.manifest.averaging.mode == "diloco"
-                else f"this peer was {behind} rounds behind"
-            )
-            logger.info(
-                f"stage {self.stage} is at averaging round {stage_round}: took its state from peer {peer_id[-8:]} "
-                f"({why}; local steps since this peer's last round are dropped)"
-            )
+            self.counters.round_started_at = self.worker.counters.samples_served
+            if rebase:  # the local steps are kept: they count towards this peer's weight in its next round
+                logger.info(
+                    f"stage {self.stage} is at averaging round {stage_round}: took its anchor from peer "
+                    f"{peer_id[-8:]} and kept this peer's local steps on top of it"
+                )
+            else:
+                self.counters.weight_started_at = self.worker.counters.samples_served
+                logger.info(
+                    f"stage {self.stage} is at averaging round {stage_round}: took its state from peer "
+                    f"{peer_id[-8:]} (this peer was {behind} rounds behind; its local steps since its last round "
+                    "are dropped)"
+                )
             self.on_event(
                 Event(
                     EventKind.STATE_TAKEN,
@@ -173,7 +202,7 @@ class AveragingRounds:
                         "optimizer_steps": counters["optimizer_steps"],
                         "averaging_round": counters["averaging_round"],
                         "seconds": round(time.monotonic() - begin, 2),
-                        "reason": "catch_up",
+                        "reason": "rebase" if rebase else "catch_up",
                     },
                 )
             )
