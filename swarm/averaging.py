@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing as mp
 import signal
 import threading
+import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind detects streams by typing.AsyncIterator only)
 
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.compression import (
     CompressionBase,
     Float16Compression,
@@ -48,6 +51,11 @@ MAX_ROUND_CHANGE = 1.0
 MIN_8BIT_ELEMENTS = 1024  # smaller tensors (norms, biases) average in float16: an 8-bit codebook costs 1 KiB
 PART_SIZE_BYTES = 2**19  # hivemind's default: tensors travel in parts of up to this many (compressed) bytes
 _8BIT_PART_OVERHEAD = 8 + 4 * 256  # each 8-bit part carries its own codebook
+RECENT_ROUNDS = 5  # rounds whose durations set the next timeouts
+MAX_BACKOFF_DOUBLINGS = 2  # after rounds that found no group, wait up to 4x longer for one
+ALLREDUCE_SLACK = 4.0  # an all-reduce may take this many times the longest recent one
+ASSUMED_AVERAGING_MBITS = 5.0  # before a round was measured: the slowest uplink a stage's peers are assumed to have
+POLL_SECONDS = 0.05  # how often a round's progress is looked at (to time its matchmaking and all-reduce)
 
 
 class AveragingError(SwarmError):
@@ -111,6 +119,47 @@ def round_payload_bytes(numels: Sequence[int], compression: str, group_size: int
     return int(2 * (group_size - 1) / group_size * total)
 
 
+@dataclass
+class RoundTiming:
+    """How long a stage's rounds may take, adapted to what this peer's rounds took: fixed guesses fail on slow
+    links ("could not find a group" is what hivemind's users report most) or on large stages (an all-reduce of
+    tens of megabytes over a home uplink takes minutes). The configured values are floors.
+
+    - finding a group: at least twice the configured matchmaking time, and twice the longest of the recent rounds'
+      matchmaking; doubled after each round in a row that found no group (up to MAX_BACKOFF times), back after a
+      success;
+    - the all-reduce: at least the configured timeout, ALLREDUCE_SLACK times the longest recent all-reduce, and
+      before any round, the time this peer's share of the round takes at ASSUMED_AVERAGING_MBITS."""
+
+    matchmaking_time: float
+    timeout: float
+    payload_bytes: int  # what this peer sends in a round of two (swarm/averaging.py, round_payload_bytes)
+    matchmaking_seconds: list[float] = field(default_factory=list)  # recent rounds, newest last
+    allreduce_seconds: list[float] = field(default_factory=list)
+    failures_in_a_row: int = 0
+
+    def find_timeout(self) -> float:
+        recent = max(self.matchmaking_seconds, default=0.0)
+        return max(2 * self.matchmaking_time, 2 * recent) * 2 ** min(self.failures_in_a_row, MAX_BACKOFF_DOUBLINGS)
+
+    def allreduce_timeout(self) -> float:
+        if self.allreduce_seconds:
+            return max(self.timeout, ALLREDUCE_SLACK * max(self.allreduce_seconds))
+        assumed = ALLREDUCE_SLACK * self.payload_bytes / (ASSUMED_AVERAGING_MBITS * 1e6 / 8)
+        return max(self.timeout, assumed)
+
+    def succeeded(self, matchmaking: float, allreduce: float) -> None:
+        self.matchmaking_seconds = [*self.matchmaking_seconds, matchmaking][-RECENT_ROUNDS:]
+        self.allreduce_seconds = [*self.allreduce_seconds, allreduce][-RECENT_ROUNDS:]
+        self.failures_in_a_row = 0
+
+    def failed(self, found_group: bool) -> None:
+        """A round failed: without a group, the next one waits longer for it; a group that failed to all-reduce
+        (a peer left or was too slow) does not change the timeouts."""
+        if not found_group:
+            self.failures_in_a_row += 1
+
+
 def gathered_proof(gather: bytes) -> Any:
     """The membership proof in a join request's gathered data (hivemind packs it as [bandwidth, mode, user data];
     ours is {"proof": ...}); None if there is none or the data is malformed."""
@@ -164,7 +213,18 @@ class _Averager(DecentralizedAverager):
 
     def __init__(self, *args, swarm_secret: SwarmSecret | None = None, **kwargs):
         self.swarm_secret = swarm_secret  # set before the averager's process starts: it checks join requests
+        # the all-reduce timeout lives in shared memory: it adapts to measured rounds after the process forked
+        self._shared_allreduce_timeout = mp.Value("d", 0.0, lock=False)
         super().__init__(*args, **kwargs)
+
+    @property
+    def _allreduce_timeout(self) -> float | None:  # read by hivemind's _step, in the averager's process
+        value = self._shared_allreduce_timeout.value
+        return value if value > 0 else None
+
+    @_allreduce_timeout.setter
+    def _allreduce_timeout(self, value: float | None) -> None:
+        self._shared_allreduce_timeout.value = float(value or 0.0)
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -214,6 +274,9 @@ class StageAverager:
         self.last_change = 0.0  # how far the last applied round moved the parameters, relative to their norm
         buffers = [torch.zeros(tuple(q.shape), dtype=torch.float32) for q in self._quantities()]
         self.numels = [b.numel() for b in buffers]
+        payload = round_payload_bytes(self.numels, self.config.compression, 2)
+        self.timing = RoundTiming(self.config.matchmaking_time, self.config.timeout, payload)
+        self.last_matchmaking_seconds = self.last_allreduce_seconds = 0.0
         self.secret = manifest.secret  # a private swarm's rounds admit only peers that prove they hold it
         self._proof = manifest.proof(str(dht.peer_id))
         self._averager = _create_averager(
@@ -225,7 +288,7 @@ class StageAverager:
             min_group_size=2,
             min_matchmaking_time=self.config.matchmaking_time,
             request_timeout=max(1.0, self.config.matchmaking_time / 2),
-            allreduce_timeout=self.config.timeout,
+            allreduce_timeout=self.timing.allreduce_timeout(),
             next_chunk_timeout=self.config.timeout / 2,
             compression=averaging_compression(self.config.compression),
             part_size_bytes=PART_SIZE_BYTES,
@@ -301,16 +364,39 @@ class StageAverager:
 
     # network thread ---------------------------------------------------------------------------------
 
-    def run_round(self, weight: float, timeout: float) -> int:
-        """Find a group and all-reduce the buffers; the group's size. Raises AveragingError on failure."""
+    def run_round(self, weight: float, timeout: float | None = None) -> int:
+        """Find a group (within `timeout` seconds, by default RoundTiming's) and all-reduce the buffers; the
+        group's size. Raises AveragingError on failure. How long the matchmaking and the all-reduce took sets the
+        next rounds' timeouts."""
+        find_timeout = timeout if timeout is not None else self.timing.find_timeout()
+        self._averager._allreduce_timeout = self.timing.allreduce_timeout()
+        begin = time.monotonic()
+        grouped_at = None
         try:
-            gathered = self._averager.step(
-                weight=max(float(weight), 1.0), timeout=timeout, allow_retries=False, gather={"proof": self._proof}
+            control = self._averager.step(
+                weight=max(float(weight), 1.0),
+                timeout=find_timeout,
+                allow_retries=False,
+                gather={"proof": self._proof},
+                wait=False,
             )
+            while not control.done():
+                if grouped_at is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
+                    grouped_at = time.monotonic()
+                time.sleep(POLL_SECONDS)
+            gathered = control.result()
         except Exception as e:  # hivemind raises several types for a round that fell through
+            self.timing.failed(found_group=grouped_at is not None)
             raise AveragingError(f"the round failed: {type(e).__name__}: {e}") from None
         if not gathered:
-            raise AveragingError("could not find a group (the stage's other peers did not join in time)")
+            self.timing.failed(found_group=grouped_at is not None)
+            raise AveragingError(
+                f"could not find a group within {find_timeout:.0f}s (the stage's other peers did not join in time)"
+            )
+        end = time.monotonic()
+        grouped_at = grouped_at if grouped_at is not None else end
+        self.last_matchmaking_seconds, self.last_allreduce_seconds = grouped_at - begin, end - grouped_at
+        self.timing.succeeded(self.last_matchmaking_seconds, self.last_allreduce_seconds)
         if self.secret is not None:  # a group led by an outsider: its result must not be applied
             for peer_id, data in gathered.items():
                 if not self.secret.check(str(peer_id), data.get("proof") if isinstance(data, dict) else None):

@@ -9,7 +9,8 @@ Fields, by kind (every event also has `event`, its kind, and `at`, the Unix time
 - state_taken: `stage`, `source` (peer, checkpoint or fresh), `peer_id` (the source peer, or ""), `optimizer_steps`,
   `averaging_round`, `seconds` (time the download took), `reason` (join, move, catch_up, or rebase: DiLoCo one round behind took the anchor and kept its local steps)
 - averaging_round: `stage`, `round`, `outcome` (applied, skipped, dropped, alone or caught_up), `group_size`,
-  `change` (relative change of the parameters, 0 unless applied)
+  `change` (relative change of the parameters, 0 unless applied), `matchmaking_seconds` and `allreduce_seconds`
+  (how long finding the group and the all-reduce took; 0 unless applied)
 """
 
 from __future__ import annotations

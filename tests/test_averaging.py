@@ -13,6 +13,7 @@ from conftest import LOOPBACK, tiny_manifest_dict
 from swarm.averaging import (
     AveragingError,
     RoundProgress,
+    RoundTiming,
     StageAverager,
     current_round,
     outer_step,
@@ -48,6 +49,26 @@ def test_outer_step_is_sgd_with_nesterov_momentum():
         sgd.step()
         outer_step(anchor, momentum, [g], 0.7, 0.9)
     assert torch.allclose(anchor[0], reference.detach(), atol=1e-6)
+
+
+def test_round_timeouts_adapt_to_what_rounds_took():
+    timing = RoundTiming(matchmaking_time=5.0, timeout=60.0, payload_bytes=10**6)
+    assert timing.find_timeout() == 10.0 and timing.allreduce_timeout() == 60.0  # the configured floors
+    big = RoundTiming(matchmaking_time=5.0, timeout=60.0, payload_bytes=100 * 10**6)
+    assert big.allreduce_timeout() > 500  # 100 MB at an assumed 5 Mbit/s is 160 s: a fixed 60 s always fails
+    timing.failed(found_group=False)
+    timing.failed(found_group=False)
+    assert timing.find_timeout() == 40.0  # no group twice: wait 4x longer for one
+    timing.failed(found_group=False)
+    assert timing.find_timeout() == 40.0  # at most 4x
+    timing.failed(found_group=True)  # a group that failed to all-reduce says nothing about matchmaking
+    assert timing.find_timeout() == 40.0
+    timing.succeeded(matchmaking=9.0, allreduce=30.0)
+    assert timing.find_timeout() == 18.0  # back after a success, but no less than twice what it took
+    assert timing.allreduce_timeout() == 120.0  # 4x the longest recent all-reduce
+    for _ in range(5):
+        timing.succeeded(matchmaking=1.0, allreduce=1.0)
+    assert timing.find_timeout() == 10.0 and timing.allreduce_timeout() == 60.0  # slow rounds age out
 
 
 def test_round_payload_shrinks_with_compression():

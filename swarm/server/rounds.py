@@ -230,9 +230,8 @@ class AveragingRounds:
             try:
                 if alone:
                     raise AveragingError("no other peer serves this stage")
-                timeout = 2 * self.manifest.averaging.matchmaking_time
                 begin = time.monotonic()
-                size = await loop.run_in_executor(None, averager.run_round, weight, timeout)
+                size = await loop.run_in_executor(None, averager.run_round, weight)
                 averaged = True
                 payload = round_payload_bytes(averager.numels, self.manifest.averaging.compression, size)
                 self.traffic.averaging_sent += payload
@@ -240,7 +239,8 @@ class AveragingRounds:
                 counters.last_group_size = size
                 logger.info(
                     f"averaging round {number} of stage {self.stage}: {size} peers, weight {weight}, "
-                    f"{payload / 1e6:.2f} MB sent, {time.monotonic() - begin:.1f}s"
+                    f"{payload / 1e6:.2f} MB sent, {time.monotonic() - begin:.1f}s (group found in "
+                    f"{averager.last_matchmaking_seconds:.1f}s, all-reduce {averager.last_allreduce_seconds:.1f}s)"
                 )
             except AveragingError as e:
                 if not alone:
@@ -265,9 +265,21 @@ class AveragingRounds:
             await self.worker.run(lambda c: c.set_round(number + 1))
         counters.round_started_at = begin_served
         change = averager.last_change if averaged and averager is not None else 0.0
-        self._report(number, outcome, size if averaged else 0, change)
+        seconds = (averager.last_matchmaking_seconds, averager.last_allreduce_seconds) if averaged else (0.0, 0.0)
+        self._report(number, outcome, size if averaged else 0, change, *seconds)
         return averaged
 
-    def _report(self, number: int, outcome: RoundOutcome, group_size: int, change: float) -> None:
+    def _report(
+        self,
+        number: int,
+        outcome: RoundOutcome,
+        group_size: int,
+        change: float,
+        matchmaking_seconds: float = 0.0,
+        allreduce_seconds: float = 0.0,
+    ) -> None:
         fields = {"stage": self.stage, "round": number, "outcome": str(outcome), "group_size": group_size}
-        self.on_event(Event(EventKind.AVERAGING_ROUND, {**fields, "change": round(float(change), 6)}))
+        fields["change"] = round(float(change), 6)
+        fields["matchmaking_seconds"] = round(matchmaking_seconds, 3)
+        fields["allreduce_seconds"] = round(allreduce_seconds, 3)
+        self.on_event(Event(EventKind.AVERAGING_ROUND, fields))
