@@ -3,7 +3,7 @@ same tokens, at a fraction of its traffic?
 
     python benchmarks/convergence.py [--samples 16384] [--seeds 0,1] [--runs agbcd] [--manifest examples/demo.json]
                                      [--every-samples N] [--compression 8bit] [--outer-lr X] [--outer-momentum X]
-                                     [--max-in-flight 1]
+                                     [--max-in-flight 1] [--links 20mbit/25ms]
     python benchmarks/convergence.py --samples 65536 --runs gbd      # the longer horizon (about an hour a seed)
 
 Five runs on the same samples, model and optimizer: (a) one process with the replica's batch (as many sequential
@@ -26,6 +26,10 @@ would have sent (each replica 2(n-1)/n x 4 bytes x its stage's parameters per op
 over what was sent. Rounds: per swarm run, the peers' averaging-round events by outcome (applied, skipped,
 dropped, alone, caught_up) and the stage states taken to catch up, summed over the peers.
 
+Links: with --links, every stage peer sits behind an emulated home link (swarm/emulated_links.py; the delay is
+one-way per link, a path between two peers crosses two); rounds_succeeded is applied / (applied + skipped +
+dropped) over the peers' rounds.
+
 Prints one JSON line.
 """
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -62,6 +67,7 @@ from peers.processes import start_local_peer, stop_peers  # noqa: E402
 from swarm import joining  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.data import TextData, sample_batch  # noqa: E402
+from swarm.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
 from swarm.manifest import Manifest  # noqa: E402
 from swarm.manifest_loading import load_manifest  # noqa: E402
 from swarm.model import build_full_model, build_stage, count_parameters  # noqa: E402
@@ -105,8 +111,18 @@ def single_process(manifest: Manifest, samples: int, batches, seed: int, microba
     return {"heldout_loss": heldout_loss(manifest, state, batches), "seconds": seconds, "optimizer_steps": steps}
 
 
-def swarm_run(manifest: Manifest, mode: str, samples: int, batches, seed: int, workdir: Path) -> dict:
-    """(b)/(c)/(d): 2 replicas per stage, 2 trainers here, then every replica's state downloaded."""
+def swarm_run(
+    manifest: Manifest, mode: str, samples: int, batches, seed: int, workdir: Path, link: LinkSpec | None = None
+) -> dict:
+    """(b)/(c)/(d): 2 replicas per stage, 2 trainers here, then every replica's state downloaded. With `link`,
+    every stage peer sits behind an emulated link of its own (a round between two replicas crosses both)."""
+    with EmulatedLinks() if link else contextlib.nullcontext() as links:
+        return _swarm_run(manifest, mode, samples, batches, seed, workdir, links, link)
+
+
+def _swarm_run(
+    manifest: Manifest, mode: str, samples: int, batches, seed: int, workdir: Path, links, link: LinkSpec | None
+) -> dict:
     manifest = dataclasses.replace(manifest, averaging=dataclasses.replace(manifest.averaging, mode=mode))
     logs = workdir / f"{mode}-seed{seed}"
     logs.mkdir(parents=True)
@@ -117,15 +133,11 @@ def swarm_run(manifest: Manifest, mode: str, samples: int, batches, seed: int, w
     peers = []
     try:
         for stage, replica in itertools.product(range(manifest.num_stages), range(REPLICAS)):
-            peers.append(
-                start_local_peer(
-                    path,
-                    stage,
-                    logs / f"stage{stage}-replica{replica}.log",
-                    trainer=False,
-                    extra=["--checkpoint-dir", str(logs / "checkpoints"), "--checkpoint-every", "0"],
-                )
-            )
+            extra = ["--checkpoint-dir", str(logs / "checkpoints"), "--checkpoint-every", "0"]
+            if links is not None:
+                extra += links.peer_flags(f"stage{stage}-replica{replica}", link)
+            name = f"stage{stage}-replica{replica}.log"
+            peers.append(start_local_peer(path, stage, logs / name, trainer=False, extra=extra))
         result = asyncio.run(_drive(dht, manifest, samples, batches, seed))
         return {**result, **round_outcomes(peers)}
     finally:
@@ -134,10 +146,18 @@ def swarm_run(manifest: Manifest, mode: str, samples: int, batches, seed: int, w
 
 
 def round_outcomes(peers) -> dict:
-    """What the peers printed about their rounds: outcomes counted over all peers, and catch-up downloads."""
-    outcomes = Counter(e.get("outcome") for p in peers for e in p.events("averaging_round"))
-    catch_ups = sum(e.get("reason") == "catch_up" for p in peers for e in p.events("state_taken"))
-    return {"round_outcomes": dict(outcomes), "state_downloads": catch_ups}
+    """What the peers printed about their rounds: outcomes counted over all peers, the state downloads to catch up
+    (catch_up: the whole state, local steps dropped; rebase: DiLoCo's anchor, local steps kept), and how long
+    applied rounds took to find their group and to all-reduce."""
+    rounds = [e for p in peers for e in p.events("averaging_round")]
+    taken = Counter(e.get("reason") for p in peers for e in p.events("state_taken"))
+    applied = [e for e in rounds if e.get("outcome") == "applied"]
+    return {
+        "round_outcomes": dict(Counter(e.get("outcome") for e in rounds)),
+        "state_downloads": {reason: taken[reason] for reason in ("catch_up", "rebase") if taken[reason]},
+        "matchmaking_seconds_max": max((e.get("matchmaking_seconds", 0) for e in applied), default=0.0),
+        "allreduce_seconds_max": max((e.get("allreduce_seconds", 0) for e in applied), default=0.0),
+    }
 
 
 async def _drive(dht, manifest: Manifest, samples: int, batches, seed: int) -> dict:
@@ -195,10 +215,16 @@ def report(key: str, runs: list[dict], tokens: int) -> dict:
         fields[f"replica_distance_{key}"] = summary([r["replica_distance"] for r in runs], 3)
         fields[f"failed_microbatches_{key}"] = sum(r["failed_microbatches"] for r in runs)
         outcomes: Counter = Counter()
+        downloads: Counter = Counter()
         for r in runs:
             outcomes.update(r["round_outcomes"])
+            downloads.update(r["state_downloads"])
         fields[f"round_outcomes_{key}"] = dict(outcomes)
-        fields[f"state_downloads_{key}"] = sum(r["state_downloads"] for r in runs)
+        due = outcomes["applied"] + outcomes["skipped"] + outcomes["dropped"]
+        fields[f"rounds_succeeded_{key}"] = round(outcomes["applied"] / due, 3) if due else None
+        fields[f"state_downloads_{key}"] = dict(downloads)
+        fields[f"allreduce_seconds_max_{key}"] = max(r["allreduce_seconds_max"] for r in runs)
+        fields[f"matchmaking_seconds_max_{key}"] = max(r["matchmaking_seconds_max"] for r in runs)
     if key in ("b", "c"):
         sent = sum(r["averaging_bytes"] for r in runs)
         fields[f"rounds_{key}"] = [r["rounds"] for r in runs]
@@ -218,6 +244,9 @@ def main() -> None:
     parser.add_argument("--compression", default=None, help="override averaging.compression")
     parser.add_argument("--outer-lr", type=float, default=None, help="override averaging.outer_learning_rate")
     parser.add_argument("--outer-momentum", type=float, default=None, help="override averaging.outer_momentum")
+    parser.add_argument(
+        "--links", default=None, help="put every stage peer behind an emulated link, e.g. 20mbit/25ms (one-way)"
+    )
     parser.add_argument(
         "--max-in-flight", type=int, default=None, help="override training.max_in_flight (microbatches per trainer)"
     )
@@ -240,6 +269,7 @@ def main() -> None:
         training = dataclasses.replace(manifest.training, max_in_flight=args.max_in_flight)
         manifest = dataclasses.replace(manifest, training=training)
     seeds = [int(s) for s in args.seeds.split(",")]
+    link = LinkSpec.parse(args.links) if args.links else None
     batches = eval_batches(manifest, EVAL_BATCHES)
     tokens = args.samples * manifest.model.context_length
     averaging = manifest.averaging
@@ -252,6 +282,7 @@ def main() -> None:
         "outer_learning_rate": averaging.outer_learning_rate,
         "outer_momentum": averaging.outer_momentum,
         "max_in_flight": manifest.training.max_in_flight,
+        "links": args.links,
     }
     workdir = Path(tempfile.mkdtemp(prefix="swarm-convergence-"))
     print(f"peer logs: {workdir}", file=sys.stderr)
@@ -263,7 +294,7 @@ def main() -> None:
             if key in per_step:
                 run = single_process(seeded, args.samples, batches, seed, per_step[key])
             else:
-                run = swarm_run(seeded, SWARM_RUNS[key], args.samples, batches, seed, workdir)
+                run = swarm_run(seeded, SWARM_RUNS[key], args.samples, batches, seed, workdir, link)
             runs.setdefault(key, []).append(run)
             print(f"({key}) seed {seed}: {json.dumps(run)}", file=sys.stderr)
     for key, key_runs in runs.items():

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from swarm import __version__
 from swarm.errors import SwarmError
-from swarm.manifest import AVERAGING_MODES, COMPRESSIONS, OPTIMIZERS, Manifest
+from swarm.manifest import AVERAGING_COMPRESSIONS, AVERAGING_MODES, COMPRESSIONS, OPTIMIZERS, Manifest
 from swarm.manifest_loading import write_manifest
 from swarm.model import count_stage_parameters
 from swarm.presets import PRESETS, new_manifest
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     training.add_argument("--activation-compression", choices=COMPRESSIONS, default=None, help="between stages")
     training.add_argument("--averaging-mode", choices=AVERAGING_MODES, default=None, help="within a stage")
     training.add_argument("--averaging-every", type=int, default=None, metavar="SAMPLES", help="samples per round")
-    training.add_argument("--averaging-compression", choices=COMPRESSIONS, default=None)
+    training.add_argument("--averaging-compression", choices=AVERAGING_COMPRESSIONS, default=None)
     training.add_argument(
         "--data",
         default=None,

@@ -8,7 +8,9 @@ PROTOCOL_VERSION = 5
 
 import warnings  # noqa: E402
 
-from swarm import hivemind_limits  # noqa: E402, F401 (limits on what hivemind reads from the network)
+from swarm import hivemind_limits, quantization  # noqa: E402, F401 (limits on hivemind's reading; a 4-bit codec)
+
+quantization.install()
 
 # hivemind's 8-bit codec (activations by default, and averaging) calls torch.quantize_per_tensor, which torch
 # 2.13 marks deprecated; the warning is for hivemind's authors, not for someone running a peer

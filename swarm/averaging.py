@@ -37,6 +37,7 @@ from hivemind.compression import (
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
+from swarm import quantization
 from swarm.errors import SwarmError
 from swarm.manifest import AveragingConfig, Manifest
 from swarm.protocol import unpack
@@ -113,6 +114,9 @@ def round_payload_bytes(numels: Sequence[int], compression: str, group_size: int
             total += 4 * numel
         elif compression == "float16" or numel < MIN_8BIT_ELEMENTS:
             total += 2 * numel
+        elif compression == "4bit":  # half a byte per element plus a codebook per part
+            parts = math.ceil(numel / (2 * PART_SIZE_BYTES))
+            total += numel / 2 + parts * quantization.HEADER_BYTES
         else:  # 8-bit: one byte per element plus a codebook per part
             parts = math.ceil(numel / PART_SIZE_BYTES)
             total += numel + parts * _8BIT_PART_OVERHEAD
@@ -191,9 +195,8 @@ def averaging_compression(name: str) -> CompressionBase:
         return NoCompression()
     if name == "float16":
         return Float16Compression()
-    return SizeAdaptiveCompression(
-        MIN_8BIT_ELEMENTS, less=Float16Compression(), greater_equal=Uniform8BitQuantization()
-    )
+    quantized = quantization.Uniform4BitQuantization() if name == "4bit" else Uniform8BitQuantization()
+    return SizeAdaptiveCompression(MIN_8BIT_ELEMENTS, less=Float16Compression(), greater_equal=quantized)
 
 
 def averaging_prefix(manifest: Manifest, stage: int) -> str:

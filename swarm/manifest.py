@@ -27,6 +27,7 @@ from swarm.secret import SwarmSecret
 
 OPTIMIZERS = ("adamw", "sgd")
 COMPRESSIONS = ("float32", "float16", "8bit")  # of activations and gradients between stages, and of averaging
+AVERAGING_COMPRESSIONS = (*COMPRESSIONS, "4bit")  # 4bit: for diloco's pseudo-gradients (swarm/quantization.py)
 AVERAGING_MODES = ("parameters", "diloco", "none")
 
 
@@ -280,7 +281,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
         mode=a.choice("mode", AVERAGING_MODES),
         every_samples=a.integer("every_samples", minimum=1, maximum=10**12),
         optimizer_state=a.boolean("optimizer_state"),
-        compression=a.choice("compression", COMPRESSIONS),
+        compression=a.choice("compression", AVERAGING_COMPRESSIONS),
         outer_learning_rate=a.number("outer_learning_rate", minimum=0.0, maximum=10.0),
         outer_momentum=a.number("outer_momentum", minimum=0.0, maximum=0.999),
         matchmaking_time=a.number("matchmaking_time", minimum=0.5, maximum=600.0),
