@@ -36,9 +36,12 @@ from hivemind.compression import (
 )
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm import quantization
 from swarm.errors import SwarmError
+from swarm.identical_allreduce import IdenticalResultAllReduce
 from swarm.manifest import AveragingConfig, Manifest
 from swarm.protocol import unpack
 from swarm.secret import SwarmSecret
@@ -214,8 +217,9 @@ class _Averager(DecentralizedAverager):
     that connection's socket file behind in the temporary folder), and which, in a private swarm, lets into
     the groups it leads only peers that prove they hold the swarm's secret."""
 
-    def __init__(self, *args, swarm_secret: SwarmSecret | None = None, **kwargs):
+    def __init__(self, *args, swarm_secret: SwarmSecret | None = None, identical_results: bool = False, **kwargs):
         self.swarm_secret = swarm_secret  # set before the averager's process starts: it checks join requests
+        self.identical_results = identical_results  # every peer ends with the same mean (swarm/identical_allreduce.py)
         # the all-reduce timeout lives in shared memory: it adapts to measured rounds after the process forked
         self._shared_allreduce_timeout = mp.Value("d", 0.0, lock=False)
         super().__init__(*args, **kwargs)
@@ -239,6 +243,26 @@ class _Averager(DecentralizedAverager):
             return
         async for response in super().rpc_join_group(request, context):
             yield response
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs) -> None:
+        if not self.identical_results:
+            return await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
+        # hivemind 1.1.12's method, with the all-reduce whose result is the same at every peer
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = IdenticalResultAllReduce(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        async for tensor, mean in azip(as_aiter(*tensors), runner):
+            tensor.copy_(mean)  # the same bits at every peer (averaging_alpha is 1: it is never set)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
 
     async def _shutdown(self, timeout: float | None) -> None:
         try:
@@ -286,6 +310,7 @@ class StageAverager:
             buffers,
             dht,
             swarm_secret=manifest.secret,
+            identical_results=self.diloco,  # the replicas keep one anchor
             start=True,
             prefix=averaging_prefix(manifest, stage),
             min_group_size=2,
