@@ -14,7 +14,6 @@ from swarm.averaging import (
     AveragingError,
     RoundProgress,
     RoundTiming,
-    StageAverager,
     current_round,
     outer_step,
     round_payload_bytes,
@@ -23,6 +22,7 @@ from swarm.averaging import (
 from swarm.manifest import manifest_from_dict
 from swarm.manifest_loading import load_manifest
 from swarm.model import build_stage
+from swarm.stage_averager import StageAverager
 
 # ------------------------------------------------------------------------------------------- pure logic
 

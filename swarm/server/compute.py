@@ -2,7 +2,7 @@
 
 `StageCompute` holds the model, its optimizer, the weight stash, the activation cache, gradient accumulation
 and, when the stage averages, the StageAverager's local part (which reads and writes the same tensors).
-`StageWorker` owns a StageCompute and the single thread that may touch it: the only way in is
+`StageWorker` (swarm/server/worker.py) owns a StageCompute and the single thread that may touch it: the only way in is
 `await worker.run(fn)`, which runs `fn(compute)` in that thread, between two requests. So requests never race
 on the weights, a state snapshot's parameters and statistics always match, and the event loop stays free.
 
@@ -12,18 +12,14 @@ an object of its own: the worker writes them, anyone may read them (a read may b
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
 from swarm import protocol
-from swarm.averaging import StageAverager
 from swarm.errors import BadRequestError
 from swarm.manifest import Manifest
 from swarm.model import StageModel
@@ -35,6 +31,7 @@ from swarm.server.state import (
     state_tensors,
     trainable_parameters,
 )
+from swarm.stage_averager import StageAverager
 from swarm.throughput import FORWARD_SHARE, SimulatedSpeed
 
 ACTIVATION_CACHE_BYTES = 1 << 30
@@ -323,7 +320,7 @@ class StageCompute:
 
     def rebase(self, items: list[tuple[str, torch.Tensor]], counters: dict[str, int]) -> None:
         """DiLoCo, one round behind: take the stage's anchor, outer momentum and round number from a peer's state
-        and keep this peer's own local progress and inner optimizer (swarm/averaging.py, StageAverager.rebase).
+        and keep this peer's own local progress and inner optimizer (swarm/stage_averager.py, StageAverager.rebase).
         Raises BadRequestError, leaving everything untouched, if the state has no complete outer state."""
         outer = self._checked_outer_state(items)
         names = outer_state_shapes(self.manifest, {n: tuple(p.shape) for n, p in zip(self.param_names, self.params)})
@@ -366,58 +363,6 @@ class StageCompute:
     def set_round(self, number: int) -> None:
         """The number of the stage's next round (it travels with the state, so it changes in this thread)."""
         self.counters.averaging_round = number
-
-
-class StageWorker:
-    """The one thread that touches a StageCompute. Every access goes through `run`."""
-
-    def __init__(self, compute: StageCompute):
-        self._compute = compute
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{compute.stage}")
-        self.counters = compute.counters  # readable by anyone; written by the worker only
-        self.seconds_per_request = 0.0  # EMA of the worker's time per request (0 until the first one)
-        self._used = False
-
-    def before_first_task(self, fn: Callable[[StageCompute], T]) -> T:
-        """`fn(compute)` here and now, allowed only before the worker has been given any task (nothing can race
-        then). For what must happen on the main thread: creating a hivemind averager forks a process."""
-        if self._used:
-            raise RuntimeError("the stage's worker has started: reach the compute through run()")
-        return fn(self._compute)
-
-    async def run(self, fn: Callable[[StageCompute], T]) -> T:
-        """`fn(compute)` in the worker thread, after the work queued before it."""
-        self._used = True
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self._compute)
-
-    def submit(self, fn: Callable[[StageCompute], T]) -> asyncio.Future[T]:
-        """Like `run`, timed as a request, and returns the future at once (a request's slot is freed when the
-        work is done, not when its caller gives up)."""
-        self._used = True
-        return asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn)
-
-    def _timed(self, fn: Callable[[StageCompute], T]) -> T:
-        started = time.perf_counter()
-        try:
-            return fn(self._compute)
-        finally:
-            took = time.perf_counter() - started
-            previous = self.seconds_per_request
-            self.seconds_per_request = took if previous == 0 else 0.9 * previous + 0.1 * took
-
-    async def finish(self, timeout: float) -> bool:
-        """Wait, up to `timeout`, for the work in flight; False (and the rest dropped) if it did not finish."""
-        try:
-            finish = asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
-            await asyncio.wait_for(finish, timeout=timeout)
-            return True
-        except TimeoutError:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            return False
-
-    def after_shutdown(self) -> StageCompute:
-        """The compute, once `finish` returned True: no thread touches it any more."""
-        return self._compute
 
 
 def _activation_bytes_estimate(manifest: Manifest, stage: int) -> int:

@@ -42,11 +42,11 @@ from swarm.server.admission import Admission
 from swarm.server.compute import (
     DuplicateMicrobatchError,
     StageCompute,
-    StageWorker,
     TooLateError,
     UnknownMicrobatchError,
     WrongStageError,
 )
+from swarm.server.worker import StageWorker
 from swarm.stats import Traffic
 
 logger = logging.getLogger(__name__)

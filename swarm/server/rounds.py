@@ -2,8 +2,9 @@
 
 Every ROUND_CHECK_PERIOD seconds the stage looks at its peers' announcements: once the stage has served
 `averaging.every_samples` samples in the current round, counted over everyone's announcements
-(swarm/averaging.py's pure functions), it takes part in a round. The math of a round and the hivemind averager
-are swarm/averaging.py's; the model's side of a round runs in the stage's worker (server/compute.py).
+(swarm/averaging.py's pure functions), it takes part in a round. The math of a round is swarm/averaging.py's, the
+hivemind averager swarm/stage_averager.py's; the model's side of a round runs in the stage's worker
+(server/compute.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from hivemind.utils import get_dht_time
 from swarm.averaging import (
     AveragingError,
     RoundProgress,
-    StageAverager,
     current_round,
     round_payload_bytes,
     swarm_samples_in_round,
@@ -29,8 +29,9 @@ from swarm.averaging import (
 from swarm.events import Event, EventKind, OnEvent, RoundOutcome, StateSource
 from swarm.manifest import Manifest
 from swarm.records import PeerState, SwarmView, announcement_lifetime
-from swarm.server.compute import StageWorker
 from swarm.server.state import stage_state_shapes
+from swarm.server.worker import StageWorker
+from swarm.stage_averager import StageAverager
 from swarm.stats import Traffic
 
 logger = logging.getLogger(__name__)

@@ -23,8 +23,9 @@ from swarm.errors import BadRequestError
 from swarm.manifest import Manifest
 from swarm.records import PeerState
 from swarm.server.admission import Admission
-from swarm.server.compute import StageCompute, StageWorker, UnknownMicrobatchError, WrongStageError
+from swarm.server.compute import StageCompute, UnknownMicrobatchError, WrongStageError
 from swarm.server.forwarding import Forwarder
+from swarm.server.worker import StageWorker
 from swarm.stats import Traffic
 from swarm.throughput import PROBE_BYTES
 

@@ -23,7 +23,6 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 
-from swarm.averaging import StageAverager
 from swarm.checkpoint import save_checkpoint
 from swarm.coordinates import Vivaldi
 from swarm.events import OnEvent, ignore
@@ -32,10 +31,12 @@ from swarm.model import StageModel
 from swarm.records import PeerState, SwarmView
 from swarm.server.admission import Admission
 from swarm.server.announcer import Announcer, PeerFacts
-from swarm.server.compute import StageCompute, StageWorker
+from swarm.server.compute import StageCompute
 from swarm.server.forwarding import Forwarder
 from swarm.server.rounds import AveragingRounds, RoundCounters
 from swarm.server.service import NAMESPACE, StageService
+from swarm.server.worker import StageWorker
+from swarm.stage_averager import StageAverager
 from swarm.stats import StageStats, Traffic
 from swarm.throughput import DeliveredThroughput, SimulatedSpeed, Throughput, device_name
 
