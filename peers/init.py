@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     training.add_argument("--averaging-mode", choices=AVERAGING_MODES, default=None, help="within a stage")
     training.add_argument("--averaging-every", type=int, default=None, metavar="SAMPLES", help="samples per round")
     training.add_argument("--averaging-compression", choices=AVERAGING_COMPRESSIONS, default=None)
+    training.add_argument("--outer-lr", type=float, default=None, help="diloco mode: the outer SGD's learning rate")
+    training.add_argument("--outer-momentum", type=float, default=None, help="diloco mode: its Nesterov momentum")
     training.add_argument(
         "--data",
         default=None,
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                     ("mode", args.averaging_mode),
                     ("every_samples", args.averaging_every),
                     ("compression", args.averaging_compression),
+                    ("outer_learning_rate", args.outer_lr),
+                    ("outer_momentum", args.outer_momentum),
                 )
                 if value is not None
             },

@@ -69,6 +69,16 @@ def test_swarm_init_writes_a_manifest_that_loads(tmp_path, capsys):
     assert summary["parameters"] == sum(s["parameters"] for s in summary["stages"])
 
 
+def test_swarm_init_sets_what_a_user_tunes_in_averaging(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    flags = ["--averaging-mode", "diloco", "--averaging-every", "8192", "--averaging-compression", "4bit"]
+    flags += ["--outer-lr", "0.8", "--outer-momentum", "0.5"]
+    assert init_main(["tuned", "--out", str(out), *flags]) == 0
+    averaging = load_manifest(out).averaging
+    assert (averaging.mode, averaging.every_samples, averaging.compression) == ("diloco", 8192, "4bit")
+    assert (averaging.outer_learning_rate, averaging.outer_momentum) == (0.8, 0.5)
+
+
 def test_swarm_init_refuses_to_overwrite_without_force(tmp_path, capsys):
     out = tmp_path / "s.json"
     out.write_text("precious")
