@@ -32,7 +32,7 @@ PRESETS: dict[str, Preset] = {
         model={"vocab_size": 256, "width": 128, "depth": 4, "heads": 4, "context_length": 128},
         stages=2,
         training={"microbatch_size": 16, "microbatches_per_step": 2, "learning_rate": 0.002},
-        averaging={"every_samples": 2048},
+        averaging={"every_samples": 4096},
         network={"announce_period": 2.0},
     ),
     "small": Preset(

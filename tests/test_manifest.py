@@ -131,6 +131,13 @@ def test_bad_field_is_named(field, value, named):
     assert f"'{named}'" in str(info.value)
 
 
+def test_averaging_compression_defaults_to_what_suits_the_mode():
+    assert manifest_from_dict(tiny_manifest_dict()).averaging.compression == "4bit"  # diloco, the default mode
+    assert manifest_from_dict(tiny_manifest_dict(averaging={"mode": "parameters"})).averaging.compression == "8bit"
+    with pytest.raises(ManifestError, match="'averaging.compression': 4bit is for diloco mode"):
+        manifest_from_dict(tiny_manifest_dict(averaging={"mode": "parameters", "compression": "4bit"}))
+
+
 def test_not_json_and_not_an_object(tmp_path):
     with pytest.raises(ManifestError, match="not valid JSON"):
         parse_manifest("{nope")
