@@ -144,6 +144,10 @@ def _run_round(replicas, weights):
     return sizes
 
 
+def outer_settings(manifest) -> tuple[float, float]:
+    return manifest.averaging.outer_learning_rate, manifest.averaging.outer_momentum
+
+
 def _distance(a, b):
     return sum(float((x - y).norm() ** 2) for x, y in zip(a, b)) ** 0.5
 
@@ -181,7 +185,7 @@ def test_diloco_round_applies_the_outer_step_to_the_mean_pseudo_gradient(dhts):
         pseudo = [[a - p.detach() for a, p in zip(anchors[k], params)] for k, (params, _) in enumerate(replicas)]
         mean = [(x + y) / 2 for x, y in zip(*pseudo)]
         expected = [a.clone() for a in anchors[0]]
-        outer_step(expected, [torch.zeros_like(e) for e in expected], mean, 0.7, 0.9)
+        outer_step(expected, [torch.zeros_like(e) for e in expected], mean, *outer_settings(manifest))
         _run_round(replicas, [1.0, 1.0])
         for params, averager in replicas:
             assert _distance(averager.anchor, expected) < 1e-4
@@ -204,7 +208,7 @@ def test_diloco_round_at_4_bits_applies_the_mean_pseudo_gradient_within_its_quan
         pseudo = [[a - p.detach() for a, p in zip(anchors[k], params)] for k, (params, _) in enumerate(replicas)]
         mean = [(x + y) / 2 for x, y in zip(*pseudo)]
         expected = [a.clone() for a in anchors[0]]
-        outer_step(expected, [torch.zeros_like(e) for e in expected], mean, 0.7, 0.9)
+        outer_step(expected, [torch.zeros_like(e) for e in expected], mean, *outer_settings(manifest))
         _run_round(replicas, [1.0, 1.0])
         step = _distance(expected, anchors[0])
         for _, averager in replicas:

@@ -23,7 +23,7 @@ from swarm.manifest_loading import load_manifest
 from swarm.records import Announcement, TrainerReport, announcement_lifetime
 
 NOW = 10_000.0
-MANIFEST = manifest_from_dict(tiny_manifest_dict())  # 2 stages, announce period 1 s, averaging every 2048
+MANIFEST = manifest_from_dict(tiny_manifest_dict())  # 2 stages, announce period 1 s
 
 
 def announcement(peer_id: str, stage: int, age: float = 0.5, state: str = "online", **fields) -> Announcement:
@@ -67,8 +67,8 @@ def test_healthy_swarm_summary():
     training = doc["training"]
     assert training["trainers"] == 3 and training["samples_per_second"] == 40.0
     assert training["loss"] == pytest.approx(2.25)  # weighted by speed; NaN (no microbatch yet) left out
-    # 2 rounds of 2048 samples, plus what the stage's peers did in the current round
-    assert training["samples_trained"] == 2 * 2048 + 100
+    # 2 rounds of every_samples, plus what the stage's peers did in the current round
+    assert training["samples_trained"] == 2 * MANIFEST.averaging.every_samples + 100
     assert training["tokens_trained"] == training["samples_trained"] * MANIFEST.model.context_length
     json.dumps(doc)  # the --json document
 
