@@ -132,7 +132,8 @@ def test_bad_field_is_named(field, value, named):
 
 
 def test_averaging_compression_defaults_to_what_suits_the_mode():
-    assert manifest_from_dict(tiny_manifest_dict()).averaging.compression == "4bit"  # diloco, the default mode
+    assert manifest_from_dict(REQUIRED_ONLY).averaging.compression == "4bit"  # diloco, the default mode
+    assert manifest_from_dict(tiny_manifest_dict(averaging={"mode": "diloco"})).averaging.compression == "4bit"
     assert manifest_from_dict(tiny_manifest_dict(averaging={"mode": "parameters"})).averaging.compression == "8bit"
     with pytest.raises(ManifestError, match="'averaging.compression': 4bit is for diloco mode"):
         manifest_from_dict(tiny_manifest_dict(averaging={"mode": "parameters", "compression": "4bit"}))
