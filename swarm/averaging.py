@@ -46,6 +46,10 @@ class AveragingError(SwarmError):
     """A round did not happen (no group formed, a peer left, a timeout) or its result was unusable."""
 
 
+class IncompleteRoundError(AveragingError):
+    """Part of a round's result never arrived (a peer of the group was too slow or left): it is not applied."""
+
+
 # ------------------------------------------------------------------------------------------- pure logic
 
 

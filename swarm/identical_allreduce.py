@@ -13,8 +13,8 @@ decoded mean as its result: all peers decode the same bytes (the codecs are dete
 same mean. The codec's error is then common to all replicas instead of different at each. Only the lines of
 hivemind 1.1.12 that send and take the result are replaced (RUNNER_ARGUMENTS and the streaming loop below follow
 its code); everything else (matchmaking, timeouts, banning of failed senders) is hivemind's. A part whose reducer
-failed keeps the peer's own value, as in hivemind, and then the replicas do differ on it: the round's result is
-still applied, and the next catch-up or state download makes them one again.
+failed keeps the peer's own value, as in hivemind; such a peer fails its round (swarm/stage_averager.py refuses
+incomplete results) and, one round behind, rebases on the stage's anchor.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from typing import AsyncIterator  # noqa: UP035 (hivemind detects streams by typ
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.control import AveragingStage
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -32,6 +33,7 @@ from swarm.averaging import (
     PART_SIZE_BYTES,
     POLL_SECONDS,
     AveragingError,
+    IncompleteRoundError,
     RoundTiming,
     averaging_compression,
     averaging_prefix,
@@ -80,11 +82,13 @@ class _Averager(DecentralizedAverager):
             yield response
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs) -> None:
-        if not self.identical_results:
-            return await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
-        # hivemind 1.1.12's method, with the all-reduce whose result is the same at every peer
+        # hivemind 1.1.12's method, with two changes: in diloco mode the all-reduce whose result is the same at
+        # every peer, and a round whose result is incomplete fails instead of being applied (hivemind keeps this
+        # peer's own values for the parts whose reducer was too slow or left, logs "received 72.6% results" and
+        # reports success: replicas then differ, and DiLoCo's anchors would stay apart for good)
         group_id = group_info.group_id if group_id is None else group_id
-        runner = IdenticalResultAllReduce(
+        runner_type = IdenticalResultAllReduce if self.identical_results else AllReduceRunner
+        runner = runner_type(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -94,10 +98,19 @@ class _Averager(DecentralizedAverager):
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
-        async for tensor, mean in azip(as_aiter(*tensors), runner):
-            tensor.copy_(mean)  # the same bits at every peer (averaging_alpha is 1: it is never set)
+        async for tensor, result in azip(as_aiter(*tensors), runner):
+            if self.identical_results:
+                tensor.copy_(result)  # the mean itself: the same bits at every peer
+            else:
+                tensor.add_(result)  # the difference to the mean (averaging_alpha is 1: it is never set)
             self.last_updated = get_dht_time()
             self._state_updated.set()
+        container = runner.tensor_part_container
+        if container.failed_size:
+            received = 1.0 - container.failed_size / max(container.total_size, 1)
+            raise IncompleteRoundError(
+                f"only {received:.0%} of the round's result arrived (a peer of the group was too slow or left)"
+            )
 
     async def _shutdown(self, timeout: float | None) -> None:
         try:

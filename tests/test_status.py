@@ -130,24 +130,28 @@ def test_find_peer_by_part_of_id_or_name():
 # ------------------------------------------------------------------------------ the program, live
 
 
-def peer_status_run(*flags: str, timeout: float = 60) -> tuple[int, str, str, float]:
-    started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "peers.status", *flags], capture_output=True, text=True, cwd=ROOT, timeout=timeout
-    )
-    return result.returncode, result.stdout, result.stderr, time.monotonic() - started
+def status_in_process(capsys, *flags: str) -> tuple[int, str, str]:
+    """peer-status's main() in the test's process: what the program prints and returns, without the seconds of
+    CPU that a new process spends importing torch and hivemind (the live test asks a dozen times)."""
+    previous = signal.getsignal(signal.SIGTERM)  # main() makes SIGTERM its Ctrl-C
+    try:
+        code = status_main(list(flags))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def status_json(*flags: str) -> tuple[int, dict]:
-    code, out, err, _ = peer_status_run(*flags, "--json")
+def status_json(capsys, *flags: str) -> tuple[int, dict]:
+    code, out, err = status_in_process(capsys, *flags, "--json")
     assert code != 2 and out.strip(), err
     return code, json.loads(out)
 
 
-def wait_for_document(join: str, accept, timeout: float = 90.0) -> tuple[int, dict]:
+def wait_for_document(capsys, join: str, accept, timeout: float = 90.0) -> tuple[int, dict]:
     deadline = time.monotonic() + timeout
     while True:
-        code, doc = status_json("--join", join)
+        code, doc = status_json(capsys, "--join", join)
         if accept(code, doc) or time.monotonic() > deadline:
             return code, doc
         time.sleep(1)
@@ -195,7 +199,7 @@ def http_folder(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow(160)
-def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder):
+def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder, capsys):
     path = write_manifest(tiny_manifest_dict(), "swarm.json")
     # alice's trainer trains all along: as a device 20 times slower (her stage, the last, paces the pipeline), so
     # that it leaves the cores to peer-status and the other tests
@@ -207,16 +211,17 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder):
     alice.wait_for("serving stage 1")
 
     # alone on stage 1: stage 0 is not served
-    code, doc = wait_for_document(str(path), lambda code, doc: len(doc["peers"]) == 1)
+    code, doc = wait_for_document(capsys, str(path), lambda code, doc: len(doc["peers"]) == 1)
     assert code == DEGRADED and doc["health"]["unserved_stages"] == [0], doc
     assert doc["swarm"]["swarm_id"] == manifest.swarm_id and doc["peers"][0]["public_name"] == "alice"
 
     # through the initial peer that --new-swarm wrote; one trainer (alice's) is enough and spares the CPU
     bob = start_peer(path, "--public-name", "bob", "--no-trainer")
     bob.wait_for("serving stage 0")
-    # alice's trainer has a loss (its own status line says so) before peer-status is asked, a process each time
+    # alice's trainer has a loss (its own status line says so) before peer-status is asked
     alice.wait_for_json(lambda line: line.get("trainer_loss") is not None, timeout=90, what="a trainer loss")
     code, doc = wait_for_document(
+        capsys,
         str(path),
         lambda code, doc: code == HEALTHY and doc["training"]["loss"] is not None and doc["training"]["trainers"] == 1,
     )
@@ -234,18 +239,25 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder):
 
     runs = StatusRuns()
     try:
-        # the rest at once: the rich tables, one peer in detail, a peer nobody is, joins through a peer's
-        # multiaddr and through an HTTP URL that names the swarm id, and --watch (bob dies below)
-        # the health verdict first, alone: six monitors starting at once on 2 cores can delay the peers' 1 s
-        # announcements past the stale limit, and a stale peer is rightly "degraded"
-        tables = runs.start("--join", str(path))
-        tables_result = runs.result(tables)
-        alice_detail = runs.start("--join", str(path), "--peer", "alice", "--json")
-        nobody = runs.start("--join", str(path), "--peer", "nobody")
-        joins = {
-            join: runs.start("--join", join, "--json")
-            for join in (bob.maddr(), f"{http_folder}/swarm.json#{manifest.swarm_id}")
-        }
+        # the program itself: the rich tables (piped, as a script would read them)
+        code, out, err = runs.result(runs.start("--join", str(path)))
+        assert code == HEALTHY, err
+        for text in ("test-swarm", manifest.swarm_id, "healthy", "alice", "bob", alice.peer_id()[-8:], "training:"):
+            assert text in out, (text, out)
+
+        # one peer in detail, a peer nobody is
+        code, out, err = status_in_process(capsys, "--join", str(path), "--peer", "alice", "--json")
+        assert code == 0 and json.loads(out)["peer_id"] == alice.peer_id(), err
+        code, out, err = status_in_process(capsys, "--join", str(path), "--peer", "nobody")
+        assert code == DEGRADED and "no peer matches" in err
+
+        # joined through a peer's multiaddr, and through an HTTP URL that names the swarm id
+        for join in (bob.maddr(), f"{http_folder}/swarm.json#{manifest.swarm_id}"):
+            code, doc = status_json(capsys, "--join", join)
+            assert code == HEALTHY and doc["swarm"]["swarm_id"] == manifest.swarm_id, join
+            assert {p["public_name"] for p in doc["peers"]} == {"alice", "bob"}
+
+        # --watch, a process of its own: bob dies; he shows as stale or gone, and the swarm as degraded
         watch = runs.start("--join", str(path), "--watch", "1", "--json", stderr=subprocess.DEVNULL)
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout], daemon=True).start()
@@ -258,27 +270,6 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder):
                     f"peer-status --watch printed nothing for 60 s (exit status {watch.poll()})"
                 ) from None
 
-        # the rich tables
-        code, out, err = tables_result
-        assert code == HEALTHY, err
-        for text in ("test-swarm", manifest.swarm_id, "healthy", "alice", "bob", alice.peer_id()[-8:], "training:"):
-            assert text in out, (text, out)
-
-        # one peer in detail
-        code, out, err = runs.result(alice_detail)
-        assert code == 0 and json.loads(out)["peer_id"] == alice.peer_id(), err
-        code, out, err = runs.result(nobody)
-        assert code == DEGRADED and "no peer matches" in err
-
-        # joined through a peer's multiaddr, and through an HTTP URL that names the swarm id
-        for join, run in joins.items():
-            code, out, err = runs.result(run)
-            assert code != 2 and out.strip(), err
-            doc = json.loads(out)
-            assert code == HEALTHY and doc["swarm"]["swarm_id"] == manifest.swarm_id, join
-            assert {p["public_name"] for p in doc["peers"]} == {"alice", "bob"}
-
-        # --watch: bob dies; he shows as stale or gone, and the swarm as degraded
         first = next_document()
         assert first["health"]["healthy"]
         bob.kill()
