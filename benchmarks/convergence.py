@@ -123,7 +123,10 @@ def swarm_run(
 def _swarm_run(
     manifest: Manifest, mode: str, samples: int, batches, seed: int, workdir: Path, links, link: LinkSpec | None
 ) -> dict:
-    manifest = dataclasses.replace(manifest, averaging=dataclasses.replace(manifest.averaging, mode=mode))
+    averaging = dataclasses.replace(manifest.averaging, mode=mode)
+    if averaging.compression == "4bit" and mode == "parameters":  # 4 bits are diloco's default, refused here
+        averaging = dataclasses.replace(averaging, compression="8bit")
+    manifest = dataclasses.replace(manifest, averaging=averaging)
     logs = workdir / f"{mode}-seed{seed}"
     logs.mkdir(parents=True)
     dht = joining.start_dht([], joining.LOOPBACK)

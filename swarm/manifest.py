@@ -286,7 +286,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
     compression = a.choice("compression", AVERAGING_COMPRESSIONS) if "compression" in a.raw else None
     if compression is None:  # 4 bits suit diloco's pseudo-gradients, not parameters (swarm/quantization.py)
         compression = "4bit" if mode == "diloco" else "8bit"
-    elif compression == "4bit" and mode != "diloco":
+    elif compression == "4bit" and mode == "parameters":  # (mode none never averages: any codec will do)
         raise ManifestError(
             f"{a._name('compression')}: 4bit is for diloco mode (it would cut the parameters themselves into 16 "
             "levels every round); use 8bit with parameters mode"

@@ -137,6 +137,11 @@ def test_averaging_compression_defaults_to_what_suits_the_mode():
     assert manifest_from_dict(tiny_manifest_dict(averaging={"mode": "parameters"})).averaging.compression == "8bit"
     with pytest.raises(ManifestError, match="'averaging.compression': 4bit is for diloco mode"):
         manifest_from_dict(tiny_manifest_dict(averaging={"mode": "parameters", "compression": "4bit"}))
+    # a swarm that never averages may keep the 4bit of the diloco manifest it was switched from
+    assert (
+        manifest_from_dict(tiny_manifest_dict(averaging={"mode": "none", "compression": "4bit"})).averaging.mode
+        == "none"
+    )
 
 
 def test_not_json_and_not_an_object(tmp_path):
