@@ -72,11 +72,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     training.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     training.add_argument("--max-in-flight", type=int, default=None, help="microbatches a trainer keeps in flight")
     training.add_argument("--activation-compression", choices=COMPRESSIONS, default=None, help="between stages")
-    training.add_argument("--averaging-mode", choices=AVERAGING_MODES, default=None, help="within a stage")
-    training.add_argument("--averaging-every", type=int, default=None, metavar="SAMPLES", help="samples per round")
-    training.add_argument("--averaging-compression", choices=AVERAGING_COMPRESSIONS, default=None)
-    training.add_argument("--outer-lr", type=float, default=None, help="diloco mode: the outer SGD's learning rate")
-    training.add_argument("--outer-momentum", type=float, default=None, help="diloco mode: its Nesterov momentum")
+    training.add_argument(
+        "--averaging-mode", choices=AVERAGING_MODES, default=None, help="how a stage's replicas average (diloco)"
+    )
+    training.add_argument(
+        "--averaging-every",
+        type=int,
+        default=None,
+        metavar="SAMPLES",
+        help="samples per round (the preset's: 4096; 8192 for 1b)",
+    )
+    training.add_argument(
+        "--averaging-compression",
+        choices=AVERAGING_COMPRESSIONS,
+        default=None,
+        help="what a round sends (4bit in diloco mode, 8bit in parameters mode, which refuses 4bit)",
+    )
+    training.add_argument(
+        "--outer-lr", type=float, default=None, help="diloco mode: the outer SGD's learning rate (1.0)"
+    )
+    training.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=None,
+        help="diloco mode: its Nesterov momentum (0: the replicas' mean step; DiLoCo's paper: lr 0.7, momentum 0.9)",
+    )
     training.add_argument(
         "--data",
         default=None,
