@@ -211,7 +211,10 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder, ca
     alice.wait_for("serving stage 1")
 
     # alone on stage 1: stage 0 is not served
-    code, doc = wait_for_document(capsys, str(path), lambda code, doc: len(doc["peers"]) == 1)
+    # (alice's record may show her stale for a moment on a loaded machine: her 1 s refreshes run late)
+    code, doc = wait_for_document(
+        capsys, str(path), lambda code, doc: len(doc["peers"]) == 1 and doc["peers"][0]["status"] == "online"
+    )
     assert code == DEGRADED and doc["health"]["unserved_stages"] == [0], doc
     assert doc["swarm"]["swarm_id"] == manifest.swarm_id and doc["peers"][0]["public_name"] == "alice"
 
