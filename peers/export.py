@@ -1,7 +1,9 @@
-"""swarm-export: download every stage's trained parameters from a running swarm into one safetensors file.
+"""swarm-export: download every stage's trained parameters from a running swarm into one safetensors file, or into
+a Hugging Face folder that transformers loads (--format hf).
 
 The program: arguments, a DHT client node, progress and the summary. The export itself (finding each stage's
-peers, downloading, renaming to the whole model's names, checking, writing atomically) is swarm/export.py's.
+peers, downloading, renaming to the whole model's names, checking, writing atomically) is swarm/export.py's; the
+Hugging Face folder is swarm/hf_export.py's.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from swarm.export import (
     short_error,
     write_safetensors,
 )
+from swarm.hf_export import DTYPES, check_output_folder, write_hf_folder
 from swarm.manifest import Manifest
+from swarm.tokenizer import Tokenizer
 
 logger = logging.getLogger("swarm-export")
 
@@ -52,6 +56,11 @@ examples:
       the same through any running peer, which hands out the manifest
   python examples/generate.py --model model.safetensors --prompt "def main("
       sample text from the exported model
+  swarm-export --join my-swarm.json --format hf my-model/
+      a Hugging Face folder (config.json, model.safetensors, tokenizer): then in Python
+      AutoModelForCausalLM.from_pretrained("my-model") and AutoTokenizer.from_pretrained("my-model")
+  swarm-export --join my-swarm.json --format hf my-model/ --dtype bfloat16
+      the same at half the size
 """
 
 
@@ -67,7 +76,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     runtime.add_join_argument(parser)
-    parser.add_argument("--out", required=True, metavar="FILE", help="the safetensors file to write (replaced whole)")
+    parser.add_argument(
+        "target", nargs="?", default=None, metavar="OUT", help="where to write (the same as --out, which it replaces)"
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        metavar="PATH",
+        help="the safetensors file to write (replaced whole), or with --format hf the folder (created if need be)",
+    )
+    parser.add_argument(
+        "--format",
+        default="swarm",
+        choices=["swarm", "hf"],
+        help="swarm: one safetensors file with Swarm's names and the model config in its metadata (for "
+        "examples/generate.py); hf: a Hugging Face folder (default: swarm)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=list(DTYPES),
+        help="--format hf: the dtype of the weights written (training keeps float32 weights; default: float32)",
+    )
     parser.add_argument(
         "--timeout",
         type=float,
@@ -94,6 +124,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
     args = parser.parse_args(argv)
+    if (args.target is None) == (args.out is None):
+        parser.error("give where to write once: as OUT or as --out PATH")
+    args.out = args.out or args.target
+    if args.dtype != "float32" and args.format != "hf":
+        parser.error("--dtype is for --format hf (Swarm's own format keeps float32)")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         parser.error("--timeout must be a positive number of seconds")
     if not (math.isfinite(args.wait) and args.wait >= 0):
@@ -112,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     dht: DHT | None = None
     try:
         manifest = joining.read_join(args.join)  # None: --join names a peer, which hands out the manifest
-        check_output_path(out)
+        check_output_folder(out) if args.format == "hf" else check_output_path(out)
         if not joining.bootstrap_peers(args.join, manifest):
             raise ExportError(
                 f"manifest {args.join} lists no initial peers, so there is no running swarm to export from; put the "
@@ -126,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             startup_timeout=max(1.0, min(60.0, remaining(deadline))),
             secret=manifest.secret if manifest is not None else None,
         )
-        manifest, tensors, sources = _run_with_progress(dht, manifest, deadline, args, quiet=args.json)
-        size = write_safetensors(out, tensors, export_metadata(manifest, sources))
+        manifest, tensors, sources, tokenizer = _run_with_progress(dht, manifest, deadline, args, quiet=args.json)
+        metadata = export_metadata(manifest, sources)
+        if args.format == "hf":
+            size = write_hf_folder(out, manifest, tensors, metadata, *_tokenizer_files(tokenizer), dtype=args.dtype)
+        else:
+            size = write_safetensors(out, tensors, metadata)
     except KeyboardInterrupt:
         print("swarm-export: interrupted; nothing was written", file=sys.stderr)
         return 130
@@ -149,9 +188,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _tokenizer_files(tokenizer: Tokenizer | None) -> tuple[str | None, dict[str, str | None]]:
+    """(tokenizer.json's text, or None for the byte vocabulary; its special tokens) for the Hugging Face folder."""
+    if tokenizer is None or tokenizer.is_bytes:
+        return None, {}
+    hf = tokenizer.hf
+    names = {"eos_token": tokenizer.eos_id, "bos_token": tokenizer.bos_id}
+    return tokenizer.json_text, {key: hf.id_to_token(i) if i is not None else None for key, i in names.items()}
+
+
 def _run_with_progress(
     dht: DHT, manifest: Manifest | None, deadline: float, args: argparse.Namespace, quiet: bool
-) -> tuple[Manifest, dict[str, torch.Tensor], list[StageSource]]:
+) -> tuple[Manifest, dict[str, torch.Tensor], list[StageSource], Tokenizer | None]:
     progress = Progress(
         SpinnerColumn(finished_text="[green]✓[/green]"),
         TextColumn("{task.description}"),
@@ -171,10 +219,19 @@ def _run_with_progress(
     def on_status(stage: int, status: str, done: bool) -> None:
         progress.update(rows[stage], status=status, completed=1 if done else 0)
 
-    async def run() -> tuple[Manifest, dict[str, torch.Tensor], list[StageSource]]:
+    async def run() -> tuple[Manifest, dict[str, torch.Tensor], list[StageSource], Tokenizer | None]:
         # every step of export_swarm is bounded by the deadline; this is a safety net
         return await asyncio.wait_for(
-            export_swarm(dht, manifest, deadline, on_status, args.wait, join=args.join, on_manifest=add_rows),
+            export_swarm(
+                dht,
+                manifest,
+                deadline,
+                on_status,
+                args.wait,
+                join=args.join,
+                on_manifest=add_rows,
+                with_tokenizer=args.format == "hf",
+            ),
             remaining(deadline) + 10,
         )
 

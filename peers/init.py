@@ -14,9 +14,18 @@ from rich.table import Table
 
 from swarm import __version__
 from swarm.errors import SwarmError
-from swarm.manifest import AVERAGING_COMPRESSIONS, AVERAGING_MODES, COMPRESSIONS, OPTIMIZERS, Manifest
+from swarm.manifest import (
+    ACTIVATION_COMPRESSIONS,
+    ARCHITECTURES,
+    AVERAGING_COMPRESSIONS,
+    AVERAGING_MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+    Manifest,
+)
 from swarm.manifest_loading import write_manifest
 from swarm.model import count_stage_parameters
+from swarm.new_swarm import swarm_sources
 from swarm.presets import PRESETS, new_manifest
 from swarm.secret import write_secret
 
@@ -33,6 +42,12 @@ examples:
       manifest can still be published); peers without it can neither read, call nor average with members
   swarm-init my-swarm --width 256 --depth 6 --heads 8 --context-length 256 --stages 3
       explicit model settings (the rest from the tiny preset)
+  swarm-init my-llama --preset llama-150m --data prepared/ --tokenizer prepared/tokenizer.json
+      OpenDiLoCo's 150M Llama in bfloat16 on data that `swarm-data prepare` tokenized
+  swarm-init my-llama --preset llama-tiny --data notes/ --train-tokenizer 4096
+      a tiny Llama with a BPE of 4096 ids trained here on the text files under notes/ (no download)
+  swarm-init my-finetune --from-pretrained ./TinyLlama-1.1B --data prepared/
+      continue training a Hugging Face Llama (its config, weights and tokenizer come from the folder)
 
 then start the swarm's first peer, which writes its addresses into the manifest:
   swarm-peer --join my-swarm.json --new-swarm
@@ -62,8 +77,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
 
     model = parser.add_argument_group("model (default: the preset's)")
+    model.add_argument("--architecture", choices=ARCHITECTURES, default=None, help="gpt or llama blocks")
     for flag in ("width", "depth", "heads", "context-length", "vocab-size", "seed"):
         model.add_argument(f"--{flag}", type=int, default=None)
+    model.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (grouped-query attention)")
+    model.add_argument("--intermediate-size", type=int, default=None, help="the MLP's width")
+    model.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        default=None,
+        help="the LM head reuses the token embeddings (one-stage swarms only)",
+    )
+    model.add_argument(
+        "--from-pretrained",
+        default=None,
+        metavar="DIR",
+        help="start from a Hugging Face Llama folder (config.json, *.safetensors, tokenizer.json): the model's shape "
+        "and tokenizer come from it, and the swarm id covers its weights",
+    )
 
     training = parser.add_argument_group("training (default: the preset's)")
     training.add_argument("--microbatch-size", type=int, default=None, help="samples per microbatch")
@@ -71,7 +102,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     training.add_argument("--learning-rate", type=float, default=None)
     training.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     training.add_argument("--max-in-flight", type=int, default=None, help="microbatches a trainer keeps in flight")
-    training.add_argument("--activation-compression", choices=COMPRESSIONS, default=None, help="between stages")
+    training.add_argument(
+        "--activation-compression", choices=ACTIVATION_COMPRESSIONS, default=None, help="between stages"
+    )
+    training.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=None,
+        help="the dtype stages compute in (weights and optimizer state stay float32)",
+    )
+    training.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        default=None,
+        help="recompute each stage's blocks in backward: far less activation memory, about 1/3 more compute",
+    )
     training.add_argument(
         "--averaging-mode", choices=AVERAGING_MODES, default=None, help="how a stage's replicas average (diloco)"
     )
@@ -104,10 +149,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="'stdlib' (Python's standard library, default) or a text file or folder that every peer has at "
         "this path (a peer can override it with swarm-peer --data)",
     )
+    training.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="a Hugging Face tokenizer.json (copied next to the manifest; its SHA-256 becomes part of the swarm id)",
+    )
+    training.add_argument(
+        "--train-tokenizer",
+        type=int,
+        default=None,
+        metavar="SIZE",
+        help="train a byte-level BPE of SIZE ids on the data source, here, and use it",
+    )
     training.add_argument("--initial-peers", nargs="+", default=None, metavar="MADDR", help="bootstrap multiaddrs")
     args = parser.parse_args(argv)
     if not args.name.strip() or len(args.name) > 64 or not args.name.isprintable():
         parser.error("NAME must be 1 to 64 printable characters")
+    if sum(x is not None for x in (args.tokenizer, args.train_tokenizer, args.from_pretrained)) > 1:
+        parser.error("give at most one of --tokenizer, --train-tokenizer and --from-pretrained (which has one)")
     return args
 
 
@@ -120,11 +180,34 @@ def main(argv: list[str] | None = None) -> int:
         secret_path = out.with_suffix(".secret") if args.private else None
         if secret_path is not None and secret_path.exists() and not args.force:
             raise SwarmError(f"{secret_path} already exists; pass --force to replace it (members need the new one)")
+        model = _given(
+            args,
+            "architecture",
+            "width",
+            "depth",
+            "heads",
+            "context_length",
+            "vocab_size",
+            "seed",
+            "kv_heads",
+            "intermediate_size",
+            "tie_embeddings",
+        )
+        sources = swarm_sources(
+            out,
+            model,
+            data_source=args.data,
+            tokenizer=args.tokenizer,
+            train_tokenizer_size=args.train_tokenizer,
+            from_pretrained=args.from_pretrained,
+            stages=args.stages,
+            force=args.force,
+        )
         manifest = new_manifest(
             args.name,
             args.preset,
             stages=args.stages,
-            model=_given(args, "width", "depth", "heads", "context_length", "vocab_size", "seed"),
+            model=sources.model,
             training=_given(
                 args,
                 "microbatch_size",
@@ -133,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                 "optimizer",
                 "max_in_flight",
                 "activation_compression",
+                "precision",
+                "activation_checkpointing",
             ),
             averaging={
                 key: value
@@ -148,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             data_source=args.data,
             initial_peers=args.initial_peers,
             secret_file=secret_path.name if secret_path is not None else None,
+            data=sources.data,
+            pretrained=sources.pretrained,
         )
         if secret_path is not None:
             write_secret(secret_path)

@@ -375,8 +375,12 @@ async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, dev
         if peer.metrics is not None:
             print(f"metrics at {peer.metrics.url}", flush=True)
         await peer.join()
-        if peer.shard is not None:
-            print(f"training on data shard {peer.shard} ({peer.train_bytes / 1e6:.1f} MB)", flush=True)
+        if peer.data is not None:
+            print(
+                f"training on {peer.data.total_train_tokens / 1e6:.1f}M tokens in {len(peer.data.train)} shards "
+                f"({peer.data.folder}), in an order of this peer's own",
+                flush=True,
+            )
         started = time.monotonic()
         while not stop.is_set():
             try:

@@ -16,6 +16,10 @@ class DataError(SwarmError):
     """The training data cannot be found or read."""
 
 
+class TokenizerError(SwarmError):
+    """The tokenizer cannot be loaded, trained or used. The message names the file."""
+
+
 class BadRequestError(SwarmError):
     """A stage request (from the network) failed validation; it was not applied."""
 

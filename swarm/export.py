@@ -24,7 +24,7 @@ import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from swarm import PROTOCOL_VERSION, __version__, joining
+from swarm import PROTOCOL_VERSION, __version__, joining, tokenizer_source
 from swarm.client.rpc import download_state
 from swarm.errors import SwarmError
 from swarm.files import atomic_write
@@ -33,6 +33,7 @@ from swarm.model import build_full_model
 from swarm.records import Announcement, PeerState, fetch_announcements
 from swarm.routing import online_peers
 from swarm.server.state import stage_parameter_shapes, stage_state_shapes
+from swarm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -326,10 +327,12 @@ async def export_swarm(
     wait: float = DISCOVERY_WAIT,
     join: str = "",
     on_manifest: Callable[[Manifest], None] = lambda manifest: None,
-) -> tuple[Manifest, dict[str, torch.Tensor], list[StageSource]]:
+    with_tokenizer: bool = False,
+) -> tuple[Manifest, dict[str, torch.Tensor], list[StageSource], Tokenizer | None]:
     """Find every stage's online peers, download the stages (PARALLEL_DOWNLOADS at once) and assemble the whole
     model's parameters. Everything ends by `deadline` (time.monotonic()). Without a manifest, the peer that
-    `join` names hands it out (over the same p2p replica: see joining.manifest_through_peer)."""
+    `join` names hands it out (over the same p2p replica: see joining.manifest_through_peer). `with_tokenizer`:
+    also get the swarm's tokenizer (from this machine, next to the manifest, or from the stages' peers)."""
     p2p = await asyncio.wait_for(dht.replicate_p2p(), max(0.1, remaining(deadline)))
     try:
         manifest = await joining.manifest_through_peer(p2p, join, manifest)
@@ -367,7 +370,15 @@ async def export_swarm(
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         tensors = assemble_full_state(manifest, [params for params, _ in results])
-        return manifest, tensors, [source for _, source in results]
+        tokenizer = None
+        if with_tokenizer:
+            tokenizer = tokenizer_source.local_tokenizer(manifest)
+            if tokenizer is None:
+                peer_ids = [peer.peer_id for peers in sources for peer in peers[:SOURCES_PER_STAGE]]
+                tokenizer = await tokenizer_source.tokenizer_from_peers(
+                    p2p, manifest, peer_ids, timeout=max(1.0, remaining(deadline))
+                )
+        return manifest, tensors, [source for _, source in results], tokenizer
     finally:
         try:
             await asyncio.wait_for(p2p.shutdown(), timeout=5)

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,18 +28,46 @@ from swarm.secret import SwarmSecret
 
 OPTIMIZERS = ("adamw", "sgd")
 COMPRESSIONS = ("float32", "float16", "8bit")  # of activations and gradients between stages, and of averaging
+ACTIVATION_COMPRESSIONS = (*COMPRESSIONS, "bfloat16")  # (hivemind's averaging has no bfloat16 codec)
 AVERAGING_COMPRESSIONS = (*COMPRESSIONS, "4bit")  # 4bit: for diloco's pseudo-gradients (swarm/quantization.py)
+ARCHITECTURES = ("gpt", "llama")  # swarm/architectures/
+PRECISIONS = ("float32", "bfloat16", "float16")  # autocast dtypes; weights and optimizer state stay float32
 AVERAGING_MODES = ("parameters", "diloco", "none")
 
 
 @dataclass(frozen=True, kw_only=True)  # keyword-only: a required field (the shape) may follow one with a default
 class ModelConfig:
+    """The model's shape. gpt: GPT-2 blocks (LayerNorm, learned positions, GELU MLP, biases). llama: RMSNorm,
+    rotary positions (Hugging Face's convention), SwiGLU MLP, grouped-query attention, no biases."""
+
+    architecture: str = "gpt"
     vocab_size: int = 256
     width: int  # a manifest must state its model's shape
     depth: int
     heads: int
     context_length: int
+    kv_heads: int = 0  # heads of keys and values (grouped-query attention); 0: as many as heads
+    intermediate_size: int = 0  # of the MLP; 0: 4 x width (gpt), or SwiGLU's 8/3 x width rounded up to 256 (llama)
+    tie_embeddings: bool = False  # the LM head reuses the token embeddings (only a one-stage swarm can)
+    rope_theta: float = 10000.0  # llama
+    norm_eps: float = 1e-5
     seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    @property
+    def key_value_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def mlp_width(self) -> int:
+        if self.intermediate_size:
+            return self.intermediate_size
+        if self.architecture == "gpt":
+            return 4 * self.width
+        return 256 * -(-(8 * self.width // 3) // 256)  # Llama's rule: 2/3 of 4 x width, a multiple of 256
 
 
 @dataclass(frozen=True)
@@ -71,6 +100,11 @@ class TrainingConfig:
     # of activations and gradients between stages: 8-bit is 4x fewer bytes than float32 at no measured loss, and
     # faster even on loopback (docs/BENCHMARKS.md, "Over emulated internet links")
     activation_compression: str = "8bit"
+    # the dtype stages compute in (autocast): weights, gradients and optimizer state stay float32; float16 runs
+    # with a loss scaler at every stage (swarm/server/precision.py). Activations travel in it unless compressed more.
+    precision: str = "float32"
+    # recompute a stage's blocks in backward instead of keeping their activations: less memory, ~1/3 more compute
+    activation_checkpointing: bool = False
     # forward: stages send activations to each other (server/forwarding.py); relay: the trainer carries them
     # between stages (the protocol before issue 14, kept to compare against)
     pipeline: str = "forward"
@@ -81,9 +115,16 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    """What trainers read. `source` is "stdlib", a text file, a folder, a .jsonl or .parquet file (each peer
+    tokenizes it into token shards once, swarm/corpus.py), or a folder that `swarm-data prepare` wrote (then
+    `index_sha256` pins its index, so every trainer reads the same shards)."""
+
     source: str = "stdlib"
     heldout_fraction: float = 0.05
-    shards: int = 8
+    shards: int = 8  # train shards a raw source is cut into (a prepared folder has its own)
+    index_sha256: str = ""  # of a prepared folder's index.json; "": the source is raw text
+    tokenizer: str = ""  # a tokenizer.json's name next to the manifest (or a URL); "": bytes (vocabulary 256)
+    tokenizer_sha256: str = ""  # the tokenizer file's SHA-256: peers refuse any other file
 
 
 @dataclass(frozen=True)
@@ -125,6 +166,15 @@ class AveragingConfig:
 
 
 @dataclass(frozen=True)
+class PretrainedConfig:
+    """Where the initial weights come from: "" (the seeded initialisation, swarm/model.py) or a Hugging Face
+    Llama folder (config.json, model.safetensors), whose weights' SHA-256 is pinned (swarm/pretrained.py)."""
+
+    path: str = ""  # relative to the manifest's folder, or absolute
+    sha256: str = ""
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str
     model: ModelConfig
@@ -134,10 +184,13 @@ class Manifest:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     balancing: BalancingConfig = field(default_factory=BalancingConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    pretrained: PretrainedConfig = field(default_factory=PretrainedConfig)
     initial_peers: tuple[str, ...] = ()
     protocol_version: int = PROTOCOL_VERSION
     # a private swarm's secret, read from network.secret_file when the manifest is loaded; never written out
     secret: SwarmSecret | None = field(default=None, compare=False, repr=False)
+    # where the manifest was read from (a file's folder or a URL), to find the files it names; never written out
+    origin: str = field(default="", compare=False, repr=False)
 
     @property
     def private(self) -> bool:
@@ -175,6 +228,8 @@ class Manifest:
             "balancing": dataclasses.asdict(self.balancing),
             "averaging": dataclasses.asdict(self.averaging),
         }
+        if self.pretrained.path:  # written only when set
+            result["pretrained"] = dataclasses.asdict(self.pretrained)
         if with_peers:
             result["initial_peers"] = list(self.initial_peers)
         return result
@@ -215,20 +270,29 @@ def manifest_from_dict(raw: Any) -> Manifest:
 
     m = obj.section("model", ModelConfig)
     model = ModelConfig(
+        architecture=m.choice("architecture", ARCHITECTURES),
         vocab_size=m.integer("vocab_size", minimum=2, maximum=1_000_000),
         width=m.integer("width", minimum=1, maximum=65536),
         depth=m.integer("depth", minimum=1, maximum=1024),
         heads=m.integer("heads", minimum=1, maximum=1024),
         context_length=m.integer("context_length", minimum=1, maximum=1_000_000),
+        kv_heads=m.integer("kv_heads", minimum=0, maximum=1024),
+        intermediate_size=m.integer("intermediate_size", minimum=0, maximum=1_000_000),
+        tie_embeddings=m.boolean("tie_embeddings"),
+        rope_theta=m.number("rope_theta", minimum=1.0, maximum=1e9),
+        norm_eps=m.number("norm_eps", minimum=1e-12, maximum=0.1),
         seed=m.integer("seed", minimum=0, maximum=2**63 - 1),
     )
     m.no_unknown()
-    if model.width % model.heads != 0:
-        raise ManifestError(
-            f"manifest field 'model.heads': width {model.width} must be divisible by heads {model.heads}"
-        )
+    _check_model(model)
 
     stages = _parse_stages(obj.section("stages"), model.depth)
+    if model.tie_embeddings and len(stages) > 1:
+        raise ManifestError(
+            f"manifest field 'model.tie_embeddings': the embeddings (stage 0) and the LM head (stage "
+            f"{len(stages) - 1}) are on different peers, so they cannot share one tensor; set it to false (a tied "
+            "pretrained model is untied when it is split into stages)"
+        )
 
     t = obj.section("training", TrainingConfig)
     tt = t.section("timeouts", Timeouts)
@@ -249,7 +313,9 @@ def manifest_from_dict(raw: Any) -> Manifest:
         max_in_flight=t.integer("max_in_flight", minimum=1, maximum=1024),
         adaptive_window=t.boolean("adaptive_window"),
         delay_scaled_lr=t.boolean("delay_scaled_lr"),
-        activation_compression=t.choice("activation_compression", COMPRESSIONS),
+        activation_compression=t.choice("activation_compression", ACTIVATION_COMPRESSIONS),
+        precision=t.choice("precision", PRECISIONS),
+        activation_checkpointing=t.boolean("activation_checkpointing"),
         pipeline=t.choice("pipeline", PIPELINES),
         routing=t.choice("routing", ROUTINGS),
         timeouts=timeouts,
@@ -261,8 +327,30 @@ def manifest_from_dict(raw: Any) -> Manifest:
         source=d.string("source"),
         heldout_fraction=d.number("heldout_fraction", minimum=0.001, maximum=0.5),
         shards=d.integer("shards", minimum=1, maximum=100_000),
+        index_sha256=_sha256(d, "index_sha256"),
+        tokenizer=_file_name(d, "tokenizer"),
+        tokenizer_sha256=_sha256(d, "tokenizer_sha256"),
     )
     d.no_unknown()
+    if bool(data.tokenizer) != bool(data.tokenizer_sha256):
+        raise ManifestError(
+            "manifest fields 'data.tokenizer' and 'data.tokenizer_sha256': give both (a tokenizer file and its "
+            "SHA-256) or neither (bytes); swarm-init --tokenizer writes both"
+        )
+    if not data.tokenizer and model.vocab_size < 256:
+        raise ManifestError(
+            f"manifest field 'model.vocab_size': {model.vocab_size} is fewer than the 256 byte values the swarm's "
+            "byte vocabulary needs (it names no tokenizer)"
+        )
+
+    p = obj.section("pretrained", PretrainedConfig)
+    pretrained = PretrainedConfig(path=_file_name(p, "path"), sha256=_sha256(p, "sha256"))
+    p.no_unknown()
+    if bool(pretrained.path) != bool(pretrained.sha256):
+        raise ManifestError(
+            "manifest fields 'pretrained.path' and 'pretrained.sha256': give both or neither; swarm-init "
+            "--from-pretrained writes both"
+        )
 
     n = obj.section("network", NetworkConfig)
     secret_file = n.string("secret_file", empty=True)  # "": a public swarm
@@ -314,9 +402,42 @@ def manifest_from_dict(raw: Any) -> Manifest:
         network=network,
         balancing=balancing,
         averaging=averaging,
+        pretrained=pretrained,
         initial_peers=initial_peers,
         protocol_version=version,
     )
+
+
+def _sha256(fields: Fields, key: str) -> str:
+    value = fields.string(key, empty=True)
+    if value and not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise ManifestError(f"{fields._name(key)}: must be a SHA-256 in 64 lowercase hex digits, got {shown(value)}")
+    return value
+
+
+def _file_name(fields: Fields, key: str) -> str:
+    value = fields.string(key, empty=True)
+    if len(value) > 1024 or not value.isprintable():
+        raise ManifestError(f"{fields._name(key)}: must be a path or URL of at most 1024 printable characters")
+    return value
+
+
+def _check_model(model: ModelConfig) -> None:
+    if model.width % model.heads != 0:
+        raise ManifestError(
+            f"manifest field 'model.heads': width {model.width} must be divisible by heads {model.heads}"
+        )
+    if model.heads % model.key_value_heads != 0:
+        raise ManifestError(
+            f"manifest field 'model.kv_heads': heads {model.heads} must be a multiple of kv_heads "
+            f"{model.key_value_heads} (each key/value head serves a group of query heads)"
+        )
+    if model.architecture == "gpt" and model.key_value_heads != model.heads:
+        raise ManifestError("manifest field 'model.kv_heads': gpt blocks have one key/value head per head; use 0")
+    if model.architecture == "llama" and model.head_dim % 2:
+        raise ManifestError(
+            f"manifest field 'model.heads': rotary embeddings need an even head size, width/heads is {model.head_dim}"
+        )
 
 
 def even_stages(depth: int, count: int) -> tuple[tuple[int, int], ...]:

@@ -45,9 +45,11 @@ def load_manifest(source: str | Path, timeout: float = URL_TIMEOUT) -> Manifest:
                 "changed since the URL was published (or the URL is wrong); ask the swarm's creator for the "
                 "current URL"
             )
+        manifest = dataclasses.replace(manifest, origin=url)
         return with_secret(manifest, Path.cwd(), from_url=True)
     path = Path(source)
-    return with_secret(_load_manifest_file(path), path.parent)
+    manifest = dataclasses.replace(_load_manifest_file(path), origin=str(path.parent.resolve()))
+    return with_secret(manifest, path.parent)
 
 
 def with_secret(manifest: Manifest, base: Path, from_url: bool = False) -> Manifest:

@@ -1,7 +1,9 @@
-"""A GPT-style decoder, split into pipeline stages.
+"""A decoder (GPT or Llama blocks: swarm/architectures/), split into pipeline stages.
 
-Stage 0 holds the token and position embeddings, the last stage the final norm, the LM head and the loss;
-every stage holds its own contiguous range of transformer blocks. Building a stage builds only that stage's
+Stage 0 holds the embeddings, the last stage the final norm, the LM head and the loss; every stage holds its own
+contiguous range of transformer blocks. A stage computes in the manifest's precision (autocast: the weights stay
+float32) and, with activation checkpointing, recomputes its blocks in backward instead of keeping their
+activations. Building a stage builds only that stage's
 parameters. Every component is initialised from its own generator, seeded from the manifest's seed and the
 component's name, so a stage built alone is bit-identical to the same layers of the whole model, and every
 fresh replica of a stage starts identical.
@@ -9,99 +11,76 @@ fresh replica of a stage starts identical.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from swarm.architectures import architecture
 from swarm.manifest import Manifest, ModelConfig
 
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.heads = config.heads
-        self.qkv = nn.Linear(config.width, 3 * config.width)
-        self.proj = nn.Linear(config.width, config.width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(batch, length, width))
-
-
-class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(config.width)
-        self.attention = CausalSelfAttention(config)
-        self.norm2 = nn.LayerNorm(config.width)
-        self.mlp = nn.Sequential(
-            nn.Linear(config.width, 4 * config.width),
-            nn.GELU(),
-            nn.Linear(4 * config.width, config.width),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class Embeddings(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.tokens = nn.Embedding(config.vocab_size, config.width)
-        self.positions = nn.Embedding(config.context_length, config.width)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tokens(tokens) + self.positions(positions)
-
-
-class Head(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.norm = nn.LayerNorm(config.width)
-        self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class StageModel(nn.Module):
     """The layers of one stage. Input: tokens (stage 0) or hidden states; output: hidden states or logits."""
 
-    def __init__(self, config: ModelConfig, layers: range, first: bool, last: bool):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layers: range,
+        first: bool,
+        last: bool,
+        precision: str = "float32",
+        activation_checkpointing: bool = False,
+    ):
         super().__init__()
         self.config = config
         self.layers = layers
         self.first = first
         self.last = last
-        self.embeddings = Embeddings(config) if first else None
+        self.compute_dtype = DTYPES[precision]
+        self.activation_checkpointing = activation_checkpointing
+        parts = architecture(config.architecture)
+        self.embeddings = parts.Embeddings(config) if first else None
         self.blocks = nn.ModuleList()
         for index in layers:
-            block = Block(config)
+            block = parts.Block(config)
             _init_component(block, config, f"block{index}")
             self.blocks.append(block)
-        self.head = Head(config) if last else None
+        self.head = parts.Head(config) if last else None
         if self.embeddings is not None:
             _init_component(self.embeddings, config, "embeddings")
         if self.head is not None:
             _init_component(self.head, config, "head")
+            if config.tie_embeddings and self.embeddings is not None:
+                self.head.lm_head.weight = self.embeddings.tokens.weight
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        x = self.embeddings(inputs) if self.embeddings is not None else inputs
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x) if self.head is not None else x
+        """Logits on the last stage (in the compute dtype), hidden states otherwise (float32: the residual stream
+        stays float32 under autocast)."""
+        with self._autocast(inputs.device):
+            x = self.embeddings(inputs) if self.embeddings is not None else inputs
+            for block in self.blocks:
+                if self.activation_checkpointing and torch.is_grad_enabled():
+                    x = checkpoint(block, x, use_reentrant=False)
+                else:
+                    x = block(x)
+            return self.head(x) if self.head is not None else x
+
+    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        """Mean cross-entropy in nats per token, computed in float32 whatever the compute dtype."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 def build_stage(manifest: Manifest, stage: int) -> StageModel:
@@ -113,6 +92,8 @@ def build_stage(manifest: Manifest, stage: int) -> StageModel:
         manifest.stage_layers(stage),
         first=stage == 0,
         last=stage == manifest.num_stages - 1,
+        precision=manifest.training.precision,
+        activation_checkpointing=manifest.training.activation_checkpointing,
     )
 
 
@@ -122,24 +103,29 @@ def build_full_model(config: ModelConfig) -> StageModel:
 
 
 def _init_component(module: nn.Module, config: ModelConfig, name: str) -> None:
-    """GPT-2 style init from a generator seeded by (seed, component name): independent of what else is built."""
+    """GPT-2 style init (normal 0.02, residual projections 0.02 / sqrt(2 x depth), norms 1, biases 0) from a
+    generator seeded by (seed, component name): independent of what else is built. On the meta device (shapes
+    only) there is nothing to initialise."""
+    if any(p.is_meta for p in module.parameters()):
+        return
+    parts = architecture(config.architecture)
     digest = hashlib.sha256(f"{config.seed}/{name}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
     residual_std = 0.02 / math.sqrt(2 * config.depth)
     with torch.no_grad():
         for param_name, param in module.named_parameters():
-            if _is_norm_parameter(module, param_name):
+            if _is_norm_parameter(module, param_name, parts.NORMS):
                 param.fill_(1.0 if param_name.endswith("weight") else 0.0)
             elif param_name.endswith("bias"):
                 param.zero_()
             else:
-                std = residual_std if param_name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                std = residual_std if param_name.endswith(parts.RESIDUAL_WEIGHTS) else 0.02
                 param.normal_(0.0, std, generator=generator)
 
 
-def _is_norm_parameter(module: nn.Module, param_name: str) -> bool:
+def _is_norm_parameter(module: nn.Module, param_name: str, norms: tuple[type, ...]) -> bool:
     owner = module.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else module
-    return isinstance(owner, nn.LayerNorm)
+    return isinstance(owner, norms)
 
 
 def count_parameters(module: nn.Module) -> int:
@@ -148,10 +134,10 @@ def count_parameters(module: nn.Module) -> int:
 
 def count_stage_parameters(manifest: Manifest) -> list[int]:
     """Parameters of each stage, by formula: instant even for a 1B model (tests check it against built stages)."""
-    width, vocab = manifest.model.width, manifest.model.vocab_size
-    block = 12 * width * width + 13 * width  # two norms, qkv and proj with biases, a 4x MLP with biases
-    embeddings = (vocab + manifest.model.context_length) * width
-    head = 2 * width + vocab * width  # final norm, LM head without bias
+    parts = architecture(manifest.model.architecture)
+    block = parts.block_parameters(manifest.model)
+    embeddings = parts.embedding_parameters(manifest.model)
+    head = parts.head_parameters(manifest.model)
     last = manifest.num_stages - 1
     return [
         (embeddings if stage == 0 else 0) + len(manifest.stage_layers(stage)) * block + (head if stage == last else 0)

@@ -17,9 +17,10 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 
+from swarm import tokenizer_source
 from swarm.client.pinger import Pinger
 from swarm.client.trainer import Trainer
-from swarm.data import TextData, trainer_shard
+from swarm.data import TokenShards, TrainingStream, open_swarm_data
 from swarm.events import OnEvent, ignore
 from swarm.manifest import Manifest
 from swarm.metrics import MetricsServer, start_metrics_server
@@ -60,8 +61,7 @@ class Peer:
         self.peer_id = str(dht.peer_id)
         self.trainer: Trainer | None = None
         self.metrics: MetricsServer | None = None
-        self.shard: int | None = None  # the trainer's data shard
-        self.train_bytes = 0
+        self.data: TokenShards | None = None  # what the trainer reads
 
         def switched(server: StageServer) -> None:
             if self.trainer is not None:
@@ -89,20 +89,30 @@ class Peer:
         if metrics_address is not None:
             self.metrics = start_metrics_server(*metrics_address, self.rebalancer, lambda: self.trainer)
 
+    async def get_tokenizer(self) -> None:
+        """Make sure this machine has the swarm's tokenizer (to tokenize raw data, and to hand it to peers that
+        join later): from its cache or next to the manifest, else from the swarm's peers. Raises TokenizerError."""
+        if tokenizer_source.local_tokenizer(self.manifest) is not None:
+            return
+        peer_ids = [address.rsplit("/p2p/", 1)[1] for address in self.manifest.initial_peers]
+        stages = await self.rebalancer.view.all_stages(force=True)
+        peer_ids += [a.peer_id for announcements in stages for a in announcements if a.peer_id not in peer_ids]
+        peer_ids = [peer_id for peer_id in peer_ids if peer_id != self.peer_id]
+        await tokenizer_source.tokenizer_from_peers(self.p2p, self.manifest, peer_ids)
+
     async def join(self) -> None:
         """Choose a stage, take over its state and serve it; then keep balancing, and train if asked to. A
         trainer-only peer just trains."""
+        await self.get_tokenizer()
         if not self.training.only:
             await self.rebalancer.start()
             self._tasks["balancing"] = asyncio.create_task(self.rebalancer.run(self._stop))
         if not self.training.enabled:
             return
         manifest = self.manifest
-        self.shard = trainer_shard(self.peer_id, manifest.data.shards)
-        data = TextData.load(
-            self.training.data or manifest.data.source, manifest.data.heldout_fraction, self.shard, manifest.data.shards
-        )
-        self.train_bytes = len(data.train)
+        tokenizer = tokenizer_source.local_tokenizer(manifest)
+        self.data = await asyncio.to_thread(open_swarm_data, manifest, tokenizer, self.training.data)
+        stream = TrainingStream(self.data, self.peer_id, seed=self.training.seed or 0)
         self.trainer = Trainer(
             manifest,
             self.dht,
@@ -115,7 +125,7 @@ class Peer:
             reachable=self.serving.reachable,
             position=self.rebalancer.position,
         )
-        self._tasks["training"] = asyncio.create_task(self.trainer.train(data.train, self._stop))
+        self._tasks["training"] = asyncio.create_task(self.trainer.train(stream, self._stop))
 
     def check(self) -> None:
         """Raise what made the trainer or the balancing loop fail (e.g. a SwarmError: serving nothing at all)."""

@@ -19,7 +19,7 @@ from swarm.manifest import Manifest, manifest_from_dict
 @dataclass(frozen=True)
 class Preset:
     description: str
-    model: dict[str, int]
+    model: dict[str, Any]
     stages: int
     training: dict[str, Any]
     averaging: dict[str, Any]
@@ -58,6 +58,73 @@ PRESETS: dict[str, Preset] = {
         averaging={"every_samples": 8192, "matchmaking_time": 15.0, "timeout": 300.0},
         network={"announce_period": 10.0},
     ),
+    # Llama shapes (RMSNorm, rotary positions, SwiGLU, grouped-query attention): swarm/architectures/llama.py
+    "llama-tiny": Preset(
+        description="a Llama of about 0.8M parameters, as many as tiny's: for CPUs and tests",
+        model={
+            "architecture": "llama",
+            "vocab_size": 256,
+            "width": 128,
+            "depth": 4,
+            "heads": 4,
+            "kv_heads": 2,
+            "intermediate_size": 384,
+            "context_length": 128,
+        },
+        stages=2,
+        training={"microbatch_size": 16, "microbatches_per_step": 2, "learning_rate": 0.002},
+        averaging={"every_samples": 4096},
+        network={"announce_period": 2.0},
+    ),
+    "llama-150m": Preset(
+        description="OpenDiLoCo's 150M Llama (width 1024, 12 layers, 16 heads; ~150M without the embeddings) in "
+        "bfloat16, for consumer GPUs; give it a tokenizer (--tokenizer or --train-tokenizer)",
+        model={
+            "architecture": "llama",
+            "vocab_size": 32000,
+            "width": 1024,
+            "depth": 12,
+            "heads": 16,
+            "intermediate_size": 2688,
+            "context_length": 1024,
+        },
+        stages=2,
+        training={
+            "microbatch_size": 8,
+            "microbatches_per_step": 8,
+            "learning_rate": 0.0004,
+            "precision": "bfloat16",
+            "activation_compression": "8bit",
+        },
+        averaging={"every_samples": 8192},
+        network={"announce_period": 5.0},
+    ),
+    "llama-1b": Preset(
+        description="the TinyLlama 1.1B shape (width 2048, 22 layers, 32 heads, 4 KV heads) in bfloat16 with "
+        "activation checkpointing, 4 stages for GPUs; give it a tokenizer",
+        model={
+            "architecture": "llama",
+            "vocab_size": 32000,
+            "width": 2048,
+            "depth": 22,
+            "heads": 32,
+            "kv_heads": 4,
+            "intermediate_size": 5632,
+            "context_length": 2048,
+        },
+        stages=4,
+        training={
+            "microbatch_size": 4,
+            "microbatches_per_step": 8,
+            "learning_rate": 0.0003,
+            "precision": "bfloat16",
+            "activation_checkpointing": True,
+            "activation_compression": "8bit",
+            "timeouts": {"forward": 60, "backward": 120, "microbatch": 600},
+        },
+        averaging={"every_samples": 8192, "matchmaking_time": 15.0, "timeout": 300.0},
+        network={"announce_period": 10.0},
+    ),
 }
 
 
@@ -71,6 +138,8 @@ def new_manifest(
     data_source: str | None = None,
     initial_peers: list[str] | None = None,
     secret_file: str | None = None,
+    data: dict[str, Any] | None = None,
+    pretrained: dict[str, str] | None = None,
 ) -> Manifest:
     """A validated manifest from a preset, with explicit settings (None = the preset's) laid over it."""
     if preset not in PRESETS:
@@ -89,9 +158,11 @@ def new_manifest(
         "model": raw_model,
         "stages": {"count": count},
         "training": raw_training,
-        "data": {"source": data_source or "stdlib"},
+        "data": {"source": data_source or "stdlib", **(data or {})},
         "network": {**base.network, **({"secret_file": secret_file} if secret_file else {})},
         "averaging": {**base.averaging, **(averaging or {})},
         "initial_peers": list(initial_peers or []),
     }
+    if pretrained:
+        raw["pretrained"] = dict(pretrained)
     return manifest_from_dict(raw)

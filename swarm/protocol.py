@@ -15,7 +15,7 @@ Train request:     (stage-to-stage forwarding, server/forwarding.py) tensors [in
 Train reply:       [loss] on stage 0, [loss, grad_inputs] on other stages (only [loss] when not training);
                    metadata {hops: [[peer id, compute seconds, total seconds], ...]}, this hop first.
 Error reply:       no tensors; metadata {error: message, code: bad_request | busy | banned |
-                   unknown_microbatch | wrong_stage | internal | downstream_failed | duplicate | too_late}.
+                   unknown_microbatch | wrong_stage | internal | downstream_failed | duplicate | too_late | overflow}.
 
 Every request names the stage it is meant for: a peer that has moved to another stage answers `wrong_stage`
 instead of applying, say, a gradient of stage 1 to the weights of stage 2 (their shapes can be equal).
@@ -46,6 +46,7 @@ MAX_MICROBATCH_ID = 64
 COMPRESSIONS = {
     "float32": runtime_pb2.CompressionType.NONE,
     "float16": runtime_pb2.CompressionType.FLOAT16,
+    "bfloat16": runtime_pb2.CompressionType.NONE,  # sent as bfloat16 values (encode_tensor casts)
     "8bit": runtime_pb2.CompressionType.UNIFORM_8BIT,
 }
 MIN_8BIT_ELEMENTS = 1024  # smaller tensors (a loss, a bias) go uncompressed: a 1 KiB codebook would not pay off
@@ -54,6 +55,7 @@ _BYTES_PER_ELEMENT = {
     ("float32", runtime_pb2.CompressionType.NONE): 4,
     ("float32", runtime_pb2.CompressionType.FLOAT16): 2,
     ("float32", runtime_pb2.CompressionType.UNIFORM_8BIT): 1,
+    ("bfloat16", runtime_pb2.CompressionType.NONE): 2,
     ("int64", runtime_pb2.CompressionType.NONE): 8,
 }
 
@@ -69,6 +71,7 @@ ERROR_CODES = (
     "downstream_failed",  # a later stage of a forwarded microbatch failed (not this peer's fault)
     "duplicate",  # this peer has this microbatch already (a gradient is never applied twice)
     "too_late",  # the hop's deadline passed before its gradient could be applied (nothing was applied)
+    "overflow",  # a float16 stage's gradients overflowed its loss scale (nothing was applied; the scale drops)
 )
 MAX_PEER_ID = 128  # characters of a peer id in a route (base58 ids are about 52)
 
@@ -86,8 +89,23 @@ class StageRequest:
 # -------------------------------------------------------------------------------------------- encoding
 
 
+def wire_compression(manifest: Manifest) -> str:
+    """How activations and gradients travel between stages: as the manifest says, except that "float32" means
+    "uncompressed", which is the compute dtype when stages compute in bfloat16 or float16."""
+    training = manifest.training
+    if training.activation_compression == "float32" and training.precision != "float32":
+        return training.precision
+    return training.activation_compression
+
+
 def encode_tensor(tensor: torch.Tensor, compression: str = "float32") -> runtime_pb2.Tensor:
     tensor = tensor.detach().cpu()
+    if compression == "bfloat16" and tensor.dtype == torch.float32 and tensor.numel() >= MIN_8BIT_ELEMENTS:
+        # 2 bytes a value (hivemind's own serializer widens bfloat16 to float32 unless told otherwise globally)
+        values = tensor.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        return runtime_pb2.Tensor(
+            compression=runtime_pb2.CompressionType.NONE, buffer=values, size=tensor.shape, dtype="bfloat16"
+        )
     kind = COMPRESSIONS[compression] if tensor.dtype == torch.float32 else runtime_pb2.CompressionType.NONE
     if kind == runtime_pb2.CompressionType.UNIFORM_8BIT and tensor.numel() < MIN_8BIT_ELEMENTS:
         kind = runtime_pb2.CompressionType.NONE
@@ -115,7 +133,7 @@ def make_request(
     }
     if proof is not None:
         metadata["proof"] = proof
-    compression = manifest.training.activation_compression
+    compression = wire_compression(manifest)
     return runtime_pb2.ExpertRequest(
         tensors=[encode_tensor(t, compression) for t in tensors], metadata=MSGPackSerializer.dumps(metadata)
     )
@@ -168,7 +186,7 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
         compression = names.get(proto.compression, proto.compression)
         raise BadRequestError(
             f"{name}: dtype {proto.dtype or '(none)'!r} with compression {compression} is not accepted "
-            "(use float32, float16 or 8-bit activations and int64 tokens)"
+            "(use float32, float16, bfloat16 or 8-bit activations and int64 tokens)"
         )
     shape = list(proto.size)
     if len(shape) > 4:
@@ -186,7 +204,8 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
     if proto.requires_grad:
         proto.requires_grad = False
     try:
-        return deserialize_torch_tensor(proto)
+        tensor = deserialize_torch_tensor(proto)
+        return tensor.float() if tensor.dtype == torch.bfloat16 else tensor  # stages take float32 (autocast)
     except Exception as e:
         raise BadRequestError(f"{name}: cannot be deserialized ({type(e).__name__})") from None
 

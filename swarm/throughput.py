@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from swarm import protocol
 from swarm.files import atomic_write
 from swarm.manifest import Manifest
 from swarm.model import StageModel
@@ -111,7 +112,7 @@ def device_name(device: torch.device) -> str:
 def stage_bytes_per_sample(manifest: Manifest, stage: int) -> tuple[int, int]:
     """(bytes received, bytes sent) by a peer of `stage` per trained sample, as the protocol encodes them."""
     config = manifest.model
-    element = {"float32": 4, "float16": 2, "8bit": 1}[manifest.training.activation_compression]
+    element = {"float32": 4, "float16": 2, "bfloat16": 2, "8bit": 1}[protocol.wire_compression(manifest)]
     hidden = config.context_length * config.width * element  # one sample's activations, or their gradient
     tokens = config.context_length * 8  # int64 token ids
     first, last = stage == 0, stage == manifest.num_stages - 1

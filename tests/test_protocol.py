@@ -12,7 +12,8 @@ LIMIT = 10**7
 
 
 @pytest.mark.parametrize(
-    "compression, bytes_per_element, tolerance", [("float32", 4, 0), ("float16", 2, 1e-3), ("8bit", 1, 0.05)]
+    "compression, bytes_per_element, tolerance",
+    [("float32", 4, 0), ("float16", 2, 1e-3), ("bfloat16", 2, 1e-2), ("8bit", 1, 0.05)],
 )
 def test_activations_travel_compressed_and_come_back_close(compression, bytes_per_element, tolerance):
     torch.manual_seed(0)
@@ -43,3 +44,16 @@ def test_malformed_8bit_tensors_are_refused():
     huge_codebook.buffer = (10**9).to_bytes(8, "little") + proto.buffer[8:]
     with pytest.raises(BadRequestError, match="codebook"):
         protocol.decode_tensor(huge_codebook, LIMIT, "x")
+
+
+def test_uncompressed_activations_travel_in_the_compute_dtype():
+    from conftest import tiny_manifest_dict
+    from swarm.manifest import manifest_from_dict
+
+    def wire(precision, compression):
+        raw = tiny_manifest_dict(training={"precision": precision, "activation_compression": compression})
+        return protocol.wire_compression(manifest_from_dict(raw))
+
+    assert wire("float32", "float32") == "float32"
+    assert wire("bfloat16", "float32") == "bfloat16" and wire("float16", "float32") == "float16"
+    assert wire("bfloat16", "8bit") == "8bit"  # compressed further: as asked

@@ -97,7 +97,7 @@ class RelayedPipeline:
             # the peer that ran forward still holds the activations: send only the gradient
             outputs = await self._call_peer(stage, hop.peer_id, "backward", microbatch_id, [grad], expect, deadline)
         except RemoteStageError as e:
-            if e.code not in ("unknown_microbatch", "busy", "wrong_stage"):
+            if e.code not in ("unknown_microbatch", "busy", "wrong_stage", "overflow"):
                 self.ban(hop.peer_id, f"backward on stage {stage}: {e}")
             # the peer lost the activations (or is busy): let it, or another peer, recompute from the inputs
             prefer = hop.peer_id if e.code in ("unknown_microbatch", "busy") else None
@@ -160,7 +160,7 @@ class RelayedPipeline:
                 return peer_id, outputs
             except RemoteStageError as e:
                 last_error = e
-                if e.code not in ("busy", "wrong_stage"):  # a peer that moved did nothing wrong
+                if e.code not in ("busy", "wrong_stage", "overflow"):  # a peer that moved did nothing wrong
                     self.ban(peer_id, f"{kind} on stage {stage}: {e}")
             except asyncio.CancelledError:
                 raise

@@ -70,6 +70,31 @@ async def fetch_manifest(p2p: P2P, peer_id: str, timeout: float) -> str:
     return text
 
 
+async def fetch_tokenizer(p2p: P2P, peer_id: str, manifest: Manifest, max_bytes: int, timeout: float) -> bytes:
+    """The swarm's tokenizer file as `peer_id` holds it (not yet checked against the manifest's hash), in chunks."""
+    stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+    proof = manifest.proof(str(p2p.peer_id))
+    body = b""
+    deadline = time.monotonic() + timeout
+    while True:
+        request = protocol.make_control_request(manifest, proof, offset=len(body))
+        left = max(0.1, deadline - time.monotonic())
+        reply = await asyncio.wait_for(stub.rpc_tokenizer(request, timeout=left), left)
+        metadata = protocol.unpack(reply.metadata) if reply.metadata else {}
+        if not isinstance(metadata, dict):
+            raise RemoteStageError("the peer sent an unreadable reply", "internal")
+        if "error" in metadata:
+            raise RemoteStageError(str(metadata["error"])[:500], "bad_request")
+        chunk, total = metadata.get("data"), metadata.get("total")
+        if not isinstance(chunk, bytes) or not isinstance(total, int) or not 0 < total <= max_bytes:
+            raise RemoteStageError("the peer's reply holds no tokenizer chunk", "internal")
+        body += chunk
+        if len(body) >= total or not chunk:
+            if len(body) != total:
+                raise RemoteStageError(f"the peer sent {len(body)} bytes of a {total}-byte tokenizer", "internal")
+            return body
+
+
 async def manifest_from_peer(p2p: P2P, maddr: str) -> Manifest:
     """The validated manifest of the swarm that the peer at `maddr` (a multiaddr with /p2p/<id>) serves."""
     try:

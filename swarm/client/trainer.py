@@ -28,7 +28,7 @@ from swarm.client.relay import NO_PEER_WAIT, RelayedPipeline
 from swarm.client.rpc import call_stage
 from swarm.client.window import AdaptiveWindow
 from swarm.coordinates import Vivaldi
-from swarm.data import sample_batch
+from swarm.data import TrainingStream, sample_batch
 from swarm.errors import MicrobatchFailedError, RemoteStageError
 from swarm.manifest import Manifest
 from swarm.records import SwarmView, TrainerReport, announceable, announcement_lifetime, store_trainer_report
@@ -88,8 +88,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- training
 
-    async def train(self, tokens: np.ndarray, stop: asyncio.Event, max_samples: int | None = None) -> None:
-        """Train on random windows of `tokens` until `stop` is set (or max_samples are done)."""
+    async def train(
+        self, tokens: np.ndarray | TrainingStream, stop: asyncio.Event, max_samples: int | None = None
+    ) -> None:
+        """Train on the windows a TrainingStream hands out (or random windows of `tokens`) until `stop` is set (or
+        max_samples are done)."""
         training = self.manifest.training
         data_rng = np.random.default_rng(self.rng.getrandbits(64))
         reporter = asyncio.create_task(self._report_forever())
@@ -97,7 +100,11 @@ class Trainer:
         try:
             while not stop.is_set() and (max_samples is None or self.samples < max_samples):
                 while len(tasks) < self.window.size:
-                    batch = sample_batch(tokens, training.microbatch_size, self.manifest.model.context_length, data_rng)
+                    length = self.manifest.model.context_length
+                    if isinstance(tokens, TrainingStream):
+                        batch = tokens.next_batch(training.microbatch_size, length)
+                    else:
+                        batch = sample_batch(tokens, training.microbatch_size, length, data_rng)
                     tasks.add(asyncio.create_task(self._train_microbatch(*batch)))
                 done, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:

@@ -23,6 +23,7 @@ from swarm import protocol
 from swarm.errors import BadRequestError
 from swarm.manifest import Manifest
 from swarm.model import StageModel
+from swarm.server.precision import GradientOverflowError, LossScaler
 from swarm.server.staleness import StalenessControl
 from swarm.server.state import (
     load_state_tensors,
@@ -93,6 +94,7 @@ class StageCompute:
         self.params = [p for _, p in named]
         self.optimizer = make_optimizer(manifest, self.params)
         self.staleness = StalenessControl(self.optimizer, manifest.training.delay_scaled_lr)
+        self.scaler = LossScaler(enabled=manifest.training.precision == "float16")  # server/precision.py
         self.averager: StageAverager | None = None  # attached when the stage averages (server/rounds.py)
         self.counters = ComputeCounters()
         self.weights_version = 0  # bumps whenever the weights change: stashes of older versions are stale
@@ -247,26 +249,39 @@ class StageCompute:
         """Gradients of the stage's parameters (accumulated) and of its input (returned).
 
         Gradients are computed into new tensors and checked before they touch the accumulators, so a request
-        that produces NaN or Inf never changes the weights.
+        that produces NaN or Inf never changes the weights. A float16 stage scales what it backpropagates and
+        unscales the gradients (server/precision.py); an overflow then is the scale's fault, not the caller's.
         """
         wrt = list(weights) + ([] if self.first else [x])
+        scale = self.scaler.scale
+        if scale != 1.0:
+            out, grad_out = (out * scale, None) if grad_out is None else (out, grad_out * scale)
         grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
+        if scale != 1.0:
+            grads = tuple(None if g is None else g.float() / scale for g in grads)
         if not all(g is None or protocol.all_finite(g) for g in grads):
+            if self.scaler.enabled:
+                self.scaler.overflowed()
+                raise GradientOverflowError(
+                    f"float16 gradients overflowed at loss scale {scale:g}; not applied, the scale is now "
+                    f"{self.scaler.scale:g}"
+                )
             raise BadRequestError("the request produced non-finite gradients; it was not applied")
+        self.scaler.succeeded()
         if self._apply_before is not None and time.monotonic() > self._apply_before:
             raise TooLateError("the microbatch's deadline at this hop passed before its gradient was applied")
-        scale = 1.0 / self.manifest.training.microbatches_per_step
+        share = 1.0 / self.manifest.training.microbatches_per_step
         for param, g in zip(self.params, grads[: len(self.params)]):
             if g is None:
                 continue
             if param.grad is None:
-                param.grad = g * scale
+                param.grad = g * share
             else:
-                param.grad.add_(g, alpha=scale)
+                param.grad.add_(g, alpha=share)
         self.backward_passes += 1
         if self.backward_passes >= self.manifest.training.microbatches_per_step:
             self.optimizer_step()
-        return None if self.first else grads[-1]
+        return None if self.first else grads[-1].float()
 
     def optimizer_step(self) -> None:
         try:

@@ -46,6 +46,7 @@ from swarm.server.compute import (
     UnknownMicrobatchError,
     WrongStageError,
 )
+from swarm.server.precision import GradientOverflowError
 from swarm.server.worker import StageWorker
 from swarm.stats import Traffic
 
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 MIN_BUDGET = 0.5  # seconds: a hop with less left does not call the next one
 NO_PEER_WAIT = 0.5
 # codes of a next hop's reply that are no fault of that peer: it is not banned for them
-BLAMELESS = ("busy", "wrong_stage", "downstream_failed", "too_late")
+BLAMELESS = ("busy", "wrong_stage", "downstream_failed", "too_late", "overflow")
 
 
 def grace(budget: float) -> float:
@@ -199,7 +200,7 @@ class Forwarder:
         total = time.monotonic() - arrival
         hops = [[self.peer_id, round(compute, 6), round(max(total, compute), 6)]]
         hops += [[h.peer_id, h.compute, h.total] for h in later]
-        return protocol.make_reply(tensors, self.manifest.training.activation_compression, hops=hops)
+        return protocol.make_reply(tensors, protocol.wire_compression(self.manifest), hops=hops)
 
     # ------------------------------------------------------------------------------- the next hop
 
@@ -385,6 +386,7 @@ class _Refused:
 _CODES = {
     DuplicateMicrobatchError: "duplicate",
     TooLateError: "too_late",
+    GradientOverflowError: "overflow",
     WrongStageError: "wrong_stage",
     UnknownMicrobatchError: "unknown_microbatch",
 }

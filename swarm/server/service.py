@@ -18,13 +18,14 @@ import torch
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from swarm import protocol
-from swarm.errors import BadRequestError
+from swarm import protocol, tokenizer_source
+from swarm.errors import BadRequestError, SwarmError
 from swarm.manifest import Manifest
 from swarm.records import PeerState
 from swarm.server.admission import Admission
 from swarm.server.compute import StageCompute, UnknownMicrobatchError, WrongStageError
 from swarm.server.forwarding import Forwarder
+from swarm.server.precision import GradientOverflowError
 from swarm.server.worker import StageWorker
 from swarm.stats import Traffic
 from swarm.throughput import PROBE_BYTES
@@ -54,6 +55,7 @@ class StageService(ServicerBase):
         self.max_message_bytes = protocol.max_message_bytes(manifest)
         self._drains = 0
         self._control_calls = 0
+        self._tokenizer: bytes | None = None  # the swarm's tokenizer file, read from the cache once asked for
 
     # ------------------------------------------------------------------------------- forward, backward
 
@@ -245,6 +247,39 @@ class StageService(ServicerBase):
         finally:
             self._control_calls -= 1
 
+    async def rpc_tokenizer(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        """A chunk of the swarm's tokenizer file, from `offset` (swarm/tokenizer_source.py): a joining peer that
+        has not got it asks here. Only a copy whose hash is the manifest's is handed out."""
+        try:
+            metadata = protocol.decode_metadata(request, self.manifest, str(context.remote_id))
+            offset = metadata.get("offset", 0)
+            if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+                raise BadRequestError("offset must be a non-negative integer")
+        except BadRequestError as e:
+            return protocol.make_error_reply(str(e), "bad_request")
+        data = self._tokenizer_file()
+        if data is None:
+            return protocol.make_error_reply("this peer has no copy of the swarm's tokenizer", "bad_request")
+        chunk = data[offset : offset + tokenizer_source.CHUNK_BYTES]
+        return runtime_pb2.ExpertResponse(
+            metadata=protocol.MSGPackSerializer.dumps({"ok": True, "total": len(data), "data": chunk})
+        )
+
+    def _tokenizer_file(self) -> bytes | None:
+        if not self.manifest.data.tokenizer:
+            return None
+        if self._tokenizer is None:
+            path = tokenizer_source.cached_path(self.manifest.data.tokenizer_sha256)
+            try:
+                data = path.read_bytes()
+                tokenizer_source.check_hash(data, self.manifest.data.tokenizer_sha256, str(path))
+            except (OSError, SwarmError):
+                return None
+            self._tokenizer = data
+        return self._tokenizer
+
     async def rpc_manifest(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """The swarm's manifest as JSON, for a peer that joins by this peer's multiaddr (it cannot know the swarm
         id yet, so the request carries nothing to check). A private swarm's peers do not hand it out: the
@@ -267,13 +302,15 @@ def _serve(
     try:
         req = protocol.decode_request(request, compute.manifest, max_elements, caller)
         outputs = compute.process(kind, req, caller)
-        return protocol.make_reply(outputs, compute.manifest.training.activation_compression), None
+        return protocol.make_reply(outputs, protocol.wire_compression(compute.manifest)), None
     except BadRequestError as e:
         return None, str(e)
     except UnknownMicrobatchError as e:
         return protocol.make_error_reply(str(e), "unknown_microbatch"), None
     except WrongStageError as e:
         return protocol.make_error_reply(str(e), "wrong_stage"), None
+    except GradientOverflowError as e:
+        return protocol.make_error_reply(str(e), "overflow"), None
     except Exception as e:  # a bug or a device error: report it, keep serving
         logger.exception(f"{kind} failed")
         return protocol.make_error_reply(f"internal error on the stage peer: {type(e).__name__}: {e}", "internal"), None

@@ -11,6 +11,7 @@ import time
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
+from swarm import pretrained
 from swarm.checkpoint import find_checkpoint
 from swarm.client.rpc import download_state
 from swarm.events import Event, EventKind, OnEvent, StateSource
@@ -88,6 +89,15 @@ class StateTakeover:
                 logger.error(f"checkpoint {checkpoint.path} does not fit stage {stage}: {e}; not loaded")
         if sources:
             return False
+        if self.manifest.pretrained.path:
+            begin = time.monotonic()
+            params = await asyncio.to_thread(pretrained.stage_parameters, self.manifest, stage)
+            await server.load_state([(f"param/{name}", tensor) for name, tensor in params.items()], {})
+            logger.info(
+                f"no online peer serves stage {stage} and no checkpoint of it: started from the pretrained model"
+            )
+            self._report(stage, StateSource.PRETRAINED, "", {}, time.monotonic() - begin, reason)
+            return True
         logger.info(f"no online peer serves stage {stage} and no checkpoint of it: starting afresh")
         self._report(stage, StateSource.FRESH, "", {}, 0.0, reason)
         return True

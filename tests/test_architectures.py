@@ -1,0 +1,153 @@
+"""Llama and GPT blocks: the same logits as Hugging Face transformers' LlamaForCausalLM and GPT2LMHeadModel under
+the exported names, grouped-query attention, partitioning into stages, parameter counts, mixed precision (bfloat16
+and float16 autocast on the CPU, float32 master weights), activation checkpointing, tied embeddings, and the
+manifest's checks of the new fields."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_manifest_dict
+from swarm.errors import ManifestError
+from swarm.huggingface import from_hf_state, hf_config, to_hf_state
+from swarm.manifest import ModelConfig, manifest_from_dict
+from swarm.model import StageModel, build_full_model, build_stage, count_parameters, count_stage_parameters
+from swarm.presets import new_manifest
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA = {"architecture": "llama", "vocab_size": 300, "width": 64, "depth": 3, "heads": 4, "kv_heads": 2}
+
+
+def llama_manifest(stages=3, **model):
+    raw = tiny_manifest_dict(model={**LLAMA, "intermediate_size": 96, **model}, stages={"count": stages})
+    return manifest_from_dict(raw)
+
+
+def hf_model(config: ModelConfig, state: dict[str, torch.Tensor]):
+    raw = {k: v for k, v in hf_config(config).items() if k != "architectures"}
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**raw))
+    missing, unexpected = model.load_state_dict(to_hf_state(config, state), strict=False)
+    assert not unexpected and all("rotary" in k or k == "lm_head.weight" for k in missing), (missing, unexpected)
+    return model.eval()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt"])
+def test_logits_equal_transformers_models_under_the_exported_names(architecture):
+    manifest = llama_manifest() if architecture == "llama" else manifest_from_dict(tiny_manifest_dict())
+    ours = build_full_model(manifest.model).eval()
+    with torch.no_grad():  # trained-looking weights: norms and biases away from their initial 1 and 0
+        for p in ours.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    state = {name: p.detach() for name, p in ours.named_parameters()}
+    theirs = hf_model(manifest.model, state)
+    tokens = torch.randint(0, manifest.model.vocab_size, (2, manifest.model.context_length))
+    with torch.no_grad():
+        difference = (ours(tokens) - theirs(tokens).logits).abs().max()
+    assert float(difference) < 1e-4
+    back = from_hf_state(manifest.model, to_hf_state(manifest.model, state), list(state))
+    assert all(torch.equal(back[name], state[name]) for name in state)
+
+
+def test_grouped_query_attention_has_fewer_key_value_weights():
+    manifest = llama_manifest()
+    block = build_full_model(manifest.model).blocks[0]
+    assert block.attention.k_proj.weight.shape == (2 * 16, 64)  # 2 KV heads of 16, against 4 query heads
+    assert block.attention.q_proj.weight.shape == (64, 64)
+    assert not any(name.endswith("bias") for name, _ in block.named_parameters())
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "llama-150m", "llama-1b"])
+def test_llama_presets_have_the_anchors_shapes(preset):
+    manifest = new_manifest("x", preset)
+    counts = count_stage_parameters(manifest)
+    with torch.device("meta"):
+        built = [count_parameters(build_stage(manifest, s)) for s in range(manifest.num_stages)]
+    assert counts == built
+    total, model = sum(counts), manifest.model
+    if preset == "llama-1b":  # TinyLlama: 1.1B
+        assert 1.09e9 < total < 1.11e9 and model.key_value_heads == 4 and model.mlp_width == 5632
+    elif preset == "llama-150m":  # OpenDiLoCo's 150M: without the embeddings and the head
+        assert 1.45e8 < total - 2 * model.vocab_size * model.width < 1.55e8
+    else:  # about the tiny GPT's size
+        assert abs(total - sum(count_stage_parameters(new_manifest("x", "tiny")))) < 0.05 * total
+
+
+def test_llama_stages_compose_to_the_whole_model_and_start_identical():
+    manifest = llama_manifest()
+    full = build_full_model(manifest.model)
+    stages = [build_stage(manifest, s) for s in range(3)]
+    assert sum(count_parameters(s) for s in stages) == count_parameters(full)
+    for a, b in zip(build_stage(manifest, 1).parameters(), stages[1].parameters()):
+        assert torch.equal(a, b)
+    tokens = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        x = tokens
+        for stage in stages:
+            x = stage(x)
+        assert torch.equal(x, full(tokens))
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_mixed_precision_on_the_cpu_keeps_float32_weights_and_close_gradients(precision):
+    config = llama_manifest().model
+    exact = StageModel(config, range(3), first=True, last=True)
+    mixed = StageModel(config, range(3), first=True, last=True, precision=precision)
+    assert all(p.dtype == torch.float32 for p in mixed.parameters())
+    tokens = torch.randint(0, 300, (4, 32))
+    logits = mixed(tokens)
+    assert logits.dtype == getattr(torch, precision)
+    losses = [StageModel.loss(model(tokens), tokens) for model in (exact, mixed)]
+    assert losses[1].dtype == torch.float32 and abs(float(losses[0] - losses[1])) < 0.02
+    grads = [torch.autograd.grad(loss, list(model.parameters())) for loss, model in zip(losses, (exact, mixed))]
+    for g32, g16 in zip(*grads):
+        assert g16.dtype == torch.float32
+        assert float((g32 - g16).norm()) <= 0.05 * float(g32.norm()) + 1e-6
+    middle = StageModel(config, range(1, 2), first=False, last=False, precision=precision)
+    assert middle(torch.randn(2, 8, 64)).dtype == torch.float32  # the residual stream stays float32
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    config = llama_manifest().model
+    plain = StageModel(config, range(3), first=True, last=True)
+    checkpointed = StageModel(config, range(3), first=True, last=True, activation_checkpointing=True)
+    tokens = torch.randint(0, 300, (2, 16))
+    grads = [
+        torch.autograd.grad(StageModel.loss(m(tokens), tokens), list(m.parameters())) for m in (plain, checkpointed)
+    ]
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_tied_embeddings_share_one_tensor_and_need_one_stage():
+    manifest = llama_manifest(stages=1, tie_embeddings=True)
+    model = build_stage(manifest, 0)
+    assert model.head.lm_head.weight is model.embeddings.tokens.weight
+    assert "head.lm_head.weight" not in dict(model.named_parameters())
+    assert count_stage_parameters(manifest) == [count_parameters(model)]
+    with pytest.raises(ManifestError, match="different peers"):
+        llama_manifest(stages=2, tie_embeddings=True)
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ({"kv_heads": 3}, "multiple of kv_heads"),
+        ({"architecture": "gpt", "kv_heads": 2}, "one key/value head"),
+        ({"architecture": "mamba"}, "architecture"),
+        ({"width": 60, "heads": 4}, "even head size"),
+        ({"rope_theta": 0}, "rope_theta"),
+    ],
+)
+def test_bad_model_fields_are_refused(model, message):
+    with pytest.raises(ManifestError, match=message):
+        llama_manifest(**model)
+
+
+def test_precision_and_checkpointing_reach_the_stage():
+    raw = tiny_manifest_dict(training={"precision": "bfloat16", "activation_checkpointing": True})
+    stage = build_stage(manifest_from_dict(raw), 0)
+    assert stage.compute_dtype == torch.bfloat16 and stage.activation_checkpointing
+    with pytest.raises(ManifestError, match="precision"):
+        manifest_from_dict(tiny_manifest_dict(training={"precision": "float8"}))
