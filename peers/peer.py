@@ -443,7 +443,11 @@ def print_event(event: Event, as_json: bool) -> None:
     if event.kind == EventKind.MOVED:
         text = f"moved from stage {f['from_stage']} to stage {f['to_stage']}"
     elif event.kind == EventKind.STATE_TAKEN:
-        origin = {"peer": f"from peer {f['peer_id'][-8:]}", "checkpoint": "from this peer's checkpoint"}
+        origin = {
+            "peer": f"from peer {f['peer_id'][-8:]}",
+            "checkpoint": "from this peer's checkpoint",
+            "pretrained": "from the pretrained model",
+        }
         text = (
             f"took the state of stage {f['stage']} {origin.get(f['source'], 'afresh (nobody had it)')}: "
             f"{f['optimizer_steps']} optimizer steps, averaging round {f['averaging_round']}"
