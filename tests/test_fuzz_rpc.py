@@ -82,6 +82,7 @@ TRAIN = handle_name(StageService, NAMESPACE, "rpc_train")
 PROBE = handle_name(StageService, NAMESPACE, "rpc_probe")
 DOWNLOAD_STATE = handle_name(StageService, NAMESPACE, "rpc_download_state")
 MANIFEST_RPC = handle_name(StageService, NAMESPACE, "rpc_manifest")
+TOKENIZER_RPC = handle_name(StageService, NAMESPACE, "rpc_tokenizer")
 CHECK = f"{REACHABILITY_NAMESPACE}::ReachabilityService.rpc_check"
 STAGE_UNARY = (FORWARD, BACKWARD, PROBE)
 # outcomes after which the peer does not count a bad request against the sender
@@ -1070,6 +1071,13 @@ def test_bad_state_downloads_probes_and_manifest_requests(swarm: Swarm):
         for value in (0, 1, 4096, True):
             data = protocol.make_control_request(MANIFEST, reply_bytes=value).SerializeToString()
             clients.unary(stage, PROBE, data, f"rpc_probe: reply_bytes {value!r}", {"ok"})
+        # the tokenizer: hostile offsets and garbage are refused (this swarm's vocabulary is bytes: no file at all)
+        for value in (-1, 2**64 - 1, "0", 1.5, None, [], 0):
+            data = protocol.make_control_request(MANIFEST, offset=value).SerializeToString()
+            clients.unary(stage, TOKENIZER_RPC, data, f"rpc_tokenizer: offset {value!r}", {"bad_request"})
+        for label, raw in metadata_garbage()[:6]:
+            data = runtime_pb2.ExpertRequest(metadata=raw).SerializeToString()
+            clients.unary(stage, TOKENIZER_RPC, data, f"rpc_tokenizer: metadata {label}", {"bad_request"})
         payload = protocol.make_control_request(MANIFEST)
         payload.tensors.extend([raw_tensor("evil", [2**32 - 1], bytes(3 * 2**20))] + [runtime_pb2.Tensor()] * 1000)
         clients.unary(stage, PROBE, payload.SerializeToString(), "rpc_probe: a 3 MB garbage payload", {"ok"})

@@ -202,13 +202,15 @@ class StageService(ServicerBase):
             return
 
         async def read_request() -> list[runtime_pb2.ExpertRequest]:
-            """The stream's messages to its end (which lets the reply through), stopping early past one message or
-            MAX_CONTROL_REQUEST_BYTES: a state request is small."""
+            """The stream's messages to its end, stopping early only past MAX_CONTROL_REQUEST_BYTES: a state request
+            is small. A second message is read to the end too (not kept): a reply sent while the caller still writes
+            was seen lost (the caller got no reply at all instead of bad_request)."""
             messages, size = [], 0
             async for message in requests:
-                messages.append(message)
+                if len(messages) < 2:
+                    messages.append(message)
                 size += message.ByteSize()
-                if len(messages) > 1 or size > MAX_CONTROL_REQUEST_BYTES:
+                if size > MAX_CONTROL_REQUEST_BYTES:
                     break
             return messages
 

@@ -1,0 +1,109 @@
+"""Memory benchmark: what one stage of a preset holds while it trains one microbatch, with and without activation
+checkpointing, measured on this machine's CPU.
+
+    python benchmarks/memory.py [--preset llama-150m] [--stages 2] [--microbatch-size 8]
+
+For each stage, in a process of its own (so that peak RSS is the stage's alone): the stage is built in the
+preset's precision, one microbatch (the preset's size and context) runs forward and backward, and an AdamW step
+is taken. Reported: activation bytes (every tensor autograd saves for backward, counted once per storage by a
+saved-tensors hook: the activation memory a GPU would hold too), the bytes of parameters, gradients and AdamW
+state (float32), and the process's peak resident memory (ru_maxrss, which also counts torch's own ~0.3 GB and
+transient buffers). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from swarm.model import build_stage, count_parameters  # noqa: E402
+from swarm.presets import new_manifest  # noqa: E402
+from swarm.server.state import make_optimizer  # noqa: E402
+
+
+def measure(preset: str, stages: int, stage: int, checkpointing: bool, microbatch: int | None) -> dict:
+    training = {"activation_checkpointing": checkpointing}
+    if microbatch:
+        training["microbatch_size"] = microbatch
+    manifest = new_manifest("memory", preset, stages=stages, training=training)
+    model = build_stage(manifest, stage)
+    params = [p for p in model.parameters()]
+    optimizer = make_optimizer(manifest, params)
+    config, batch = manifest.model, manifest.training.microbatch_size
+    if stage == 0:
+        inputs = torch.randint(0, config.vocab_size, (batch, config.context_length))
+    else:
+        inputs = torch.randn(batch, config.context_length, config.width, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    begin = time.monotonic()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = model(inputs)
+        loss = (
+            model.loss(out, inputs if stage == 0 else torch.zeros(out.shape[:2], dtype=torch.long))
+            if model.last
+            else out.float().square().mean()
+        )
+    loss.backward()
+    optimizer.step()
+    seconds = time.monotonic() - begin
+    state_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
+    parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+    return {
+        "stage": stage,
+        "activation_checkpointing": checkpointing,
+        "parameters": count_parameters(model),
+        "activation_bytes": sum(saved.values()),
+        "weights_grads_adam_bytes": 2 * parameter_bytes + state_bytes,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "seconds": round(seconds, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama-150m")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--microbatch-size", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "stage,checkpointing": measure in here
+    args = parser.parse_args()
+    if args.one is not None:
+        stage, checkpointing = args.one.split(",")
+        print(json.dumps(measure(args.preset, args.stages, int(stage), checkpointing == "1", args.microbatch_size)))
+        return
+    rows = []
+    for stage in range(args.stages):
+        for checkpointing in (0, 1):
+            command = [sys.executable, __file__, "--preset", args.preset, "--stages", str(args.stages)]
+            command += ["--one", f"{stage},{checkpointing}"]
+            if args.microbatch_size:
+                command += ["--microbatch-size", str(args.microbatch_size)]
+            rows.append(json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout))
+    manifest = new_manifest("memory", args.preset, stages=args.stages)
+    result = {
+        "preset": args.preset,
+        "precision": manifest.training.precision,
+        "microbatch_size": args.microbatch_size or manifest.training.microbatch_size,
+        "context_length": manifest.model.context_length,
+        "stages": rows,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
