@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -172,6 +173,8 @@ async def run_demo(
             "initial_loss": round(initial_loss, 4),
             "final_loss": round(final_loss, 4),
             "loss_drop": round(1 - final_loss / initial_loss, 4),
+            # the demo's vocabulary is bytes: a token is a byte, so bits per byte is nats per token / ln 2
+            "final_bits_per_byte": round(final_loss / math.log(2), 4),
             "samples_per_second": round(speed, 2),
             "samples": samples,
             "train_seconds": round(train_seconds, 1),
@@ -227,7 +230,10 @@ def check_peers_alive(peers: list[processes.PeerProcess]) -> None:
 def print_summary(console: Console, summary: dict) -> None:
     table = Table(title="Swarm demo: summary", show_header=False)
     table.add_row("held-out loss before", f"{summary['initial_loss']:.3f}")
-    table.add_row("held-out loss after", f"{summary['final_loss']:.3f}  ({summary['loss_drop']:.0%} lower)")
+    table.add_row(
+        "held-out loss after",
+        f"{summary['final_loss']:.3f}  ({summary['loss_drop']:.0%} lower; {summary['final_bits_per_byte']:.3f} bits per byte)",
+    )
     table.add_row("samples per second", f"{summary['samples_per_second']:.1f}")
     table.add_row("samples trained", str(summary["samples"]))
     console.print(table)

@@ -109,3 +109,30 @@ def test_from_pretrained_reads_the_folder_and_loads_each_stage(tmp_path, capsys)
     (folder / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:-4] + b"    ")
     with pytest.raises(Exception, match="pins"):
         pretrained.stage_parameters(manifest, 0)
+
+
+def test_a_manifest_from_a_url_finds_its_tokenizer_next_to_it(tmp_path, monkeypatch):
+    import functools
+    import http.server
+    import threading
+
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    site = tmp_path / "site"
+    source = trained(site)
+    assert init_main(["s", "--tokenizer", str(source), "--out", str(site / "s.json"), "--json"]) == 0
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/s.json"
+        manifest = load_manifest(url)
+        assert manifest.origin == url
+        assert tokenizer_source.local_tokenizer(manifest).sha256 == manifest.data.tokenizer_sha256
+        assert tokenizer_source.cached_path(manifest.data.tokenizer_sha256).is_file()  # kept, to hand out
+        tokenizer_source.cached_path(manifest.data.tokenizer_sha256).unlink()
+        (site / manifest.data.tokenizer).write_text("{}")  # the site now serves another file: refused
+        with pytest.raises(TokenizerError, match="pins"):
+            tokenizer_source.local_tokenizer(manifest)
+    finally:
+        server.shutdown()
+        server.server_close()
