@@ -27,8 +27,12 @@ def trained_state(manifest):
     return s.snapshot()
 
 
-def test_a_saved_checkpoint_loads_into_a_fresh_server_exactly(tmp_path):
-    manifest = manifest_from_dict(tiny_manifest_dict())
+LLAMA = {"architecture": "llama", "width": 64, "depth": 2, "heads": 4, "kv_heads": 2}
+
+
+@pytest.mark.parametrize("model", [{}, LLAMA], ids=["gpt", "llama"])
+def test_a_saved_checkpoint_loads_into_a_fresh_server_exactly(tmp_path, model):
+    manifest = manifest_from_dict(tiny_manifest_dict(model=model))
     items, counters = trained_state(manifest)
     path = save_checkpoint(tmp_path, manifest, 0, items, counters)
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
