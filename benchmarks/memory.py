@@ -6,7 +6,9 @@ checkpointing, measured on this machine's CPU.
 For each stage, in a process of its own (so that peak RSS is the stage's alone): the stage is built in the
 preset's precision, one microbatch (the preset's size and context) runs forward and backward, and an AdamW step
 is taken. Reported: activation bytes (every tensor autograd saves for backward, counted once per storage by a
-saved-tensors hook: the activation memory a GPU would hold too), the bytes of parameters, gradients and AdamW
+saved-tensors hook; tensors that checkpointing keeps itself, each block's input, are not seen by it), the
+resident memory that forward leaves held until backward (RSS after forward minus before: every activation
+kept, checkpointed or not), the bytes of parameters, gradients and AdamW
 state (float32), and the process's peak resident memory (ru_maxrss, which also counts torch's own ~0.3 GB and
 transient buffers). Prints one JSON line.
 """
@@ -14,7 +16,9 @@ transient buffers). Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -29,6 +33,11 @@ sys.path.insert(0, str(ROOT))
 from swarm.model import build_stage, count_parameters  # noqa: E402
 from swarm.presets import new_manifest  # noqa: E402
 from swarm.server.state import make_optimizer  # noqa: E402
+
+
+def current_rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def measure(preset: str, stages: int, stage: int, checkpointing: bool, microbatch: int | None) -> dict:
@@ -46,11 +55,16 @@ def measure(preset: str, stages: int, stage: int, checkpointing: bool, microbatc
         inputs = torch.randn(batch, config.context_length, config.width, requires_grad=True)
     saved: dict[int, int] = {}
 
+    weights = {p.untyped_storage().data_ptr() for p in params}
+
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in weights:  # the weights (inputs of each checkpointed block) exist anyway
+            saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
+    gc.collect()
+    before = current_rss()
     begin = time.monotonic()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = model(inputs)
@@ -59,6 +73,7 @@ def measure(preset: str, stages: int, stage: int, checkpointing: bool, microbatc
             if model.last
             else out.float().square().mean()
         )
+    held = current_rss() - before  # what forward keeps alive for backward (and the loss's logits)
     loss.backward()
     optimizer.step()
     seconds = time.monotonic() - begin
@@ -69,6 +84,7 @@ def measure(preset: str, stages: int, stage: int, checkpointing: bool, microbatc
         "activation_checkpointing": checkpointing,
         "parameters": count_parameters(model),
         "activation_bytes": sum(saved.values()),
+        "rss_held_after_forward_bytes": held,
         "weights_grads_adam_bytes": 2 * parameter_bytes + state_bytes,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "seconds": round(seconds, 1),

@@ -208,7 +208,8 @@ def _write_pass(
 ) -> tuple[_Pass, int]:
     """Tokenize and write every document; returns what was written and the held-out part's UTF-8 bytes."""
     dtype = token_dtype(tokenizer.vocab_size)
-    end = np.array([tokenizer.eos_id if tokenizer.eos_id is not None else ord("\n")], dtype=np.int64)
+    # the end of a document: the tokenizer's end token, else a newline (for bytes, and tokenizers without one)
+    end = np.array([tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n"), dtype=np.int64)
     train = _ShardWriter(out_dir, dtype, shard_tokens)
     heldout = _TokenFile(out_dir / HELDOUT_FILE, dtype)
     result = _Pass(shards=[], heldout={})

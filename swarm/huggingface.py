@@ -169,8 +169,12 @@ def model_config_from_hf(raw: Mapping[str, Any], seed: int = 0) -> ModelConfig:
         raise ManifestError(
             f"config.json's hidden_act is {raw.get('hidden_act')!r}; Swarm's Llama MLP is SwiGLU (silu)"
         )
-    if raw.get("rope_scaling"):
-        raise ManifestError("config.json uses rope_scaling, which Swarm's rotary embeddings do not implement")
+    rope_type = (raw.get("rope_parameters") or {}).get("rope_type", "default")
+    if raw.get("rope_scaling") or rope_type != "default":
+        raise ManifestError(
+            "config.json scales its rotary embeddings (rope_scaling or a rope_type other than default), which "
+            "Swarm's rotary embeddings do not implement"
+        )
     heads = _int(raw, "num_attention_heads")
     width = _int(raw, "hidden_size")
     if raw.get("head_dim") not in (None, width // heads):

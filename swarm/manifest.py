@@ -215,14 +215,15 @@ class Manifest:
         return range(start, end)
 
     def to_dict(self, with_peers: bool = True) -> dict[str, Any]:
-        """The canonical JSON-compatible form (stages written out explicitly)."""
+        """The canonical JSON-compatible form (stages written out explicitly). Settings added after swarms were
+        published (LATER_FIELDS) are left out while they have their defaults, so those swarms keep their ids."""
         result = {
             "name": self.name,
             "protocol_version": self.protocol_version,
-            "model": dataclasses.asdict(self.model),
+            "model": _without_later_defaults(self.model),
             "stages": {"count": self.num_stages, "layers": [list(r) for r in self.stages]},
-            "training": dataclasses.asdict(self.training),
-            "data": dataclasses.asdict(self.data),
+            "training": _without_later_defaults(self.training),
+            "data": _without_later_defaults(self.data),
             # a public swarm's manifest does not mention the secret file (its swarm id stays as it was)
             "network": {k: v for k, v in dataclasses.asdict(self.network).items() if k != "secret_file" or v},
             "balancing": dataclasses.asdict(self.balancing),
@@ -245,6 +246,20 @@ class Manifest:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+# settings added by issue 16: written out only when they differ from their defaults
+LATER_FIELDS = {
+    ModelConfig: ("architecture", "kv_heads", "intermediate_size", "tie_embeddings", "rope_theta", "norm_eps"),
+    TrainingConfig: ("precision", "activation_checkpointing"),
+    DataConfig: ("index_sha256", "tokenizer", "tokenizer_sha256"),
+}
+
+
+def _without_later_defaults(section: Any) -> dict[str, Any]:
+    defaults = {f.name: f.default for f in dataclasses.fields(section)}
+    later = LATER_FIELDS[type(section)]
+    return {k: v for k, v in dataclasses.asdict(section).items() if k not in later or v != defaults[k]}
 
 
 def parse_manifest(text: str, origin: str = "manifest") -> Manifest:

@@ -12,6 +12,7 @@ fresh replica of a stage starts identical.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 
@@ -67,7 +68,7 @@ class StageModel(nn.Module):
             x = self.embeddings(inputs) if self.embeddings is not None else inputs
             for block in self.blocks:
                 if self.activation_checkpointing and torch.is_grad_enabled():
-                    x = checkpoint(block, x, use_reentrant=False)
+                    x = _checkpointed(block, x)
                 else:
                     x = block(x)
             return self.head(x) if self.head is not None else x
@@ -81,6 +82,20 @@ class StageModel(nn.Module):
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy in nats per token, computed in float32 whatever the compute dtype."""
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def _checkpointed(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`block(x)`, recomputed in backward. The weights go in as explicit inputs: a stage's forward may run with
+    stashed weights (server/compute.py, torch.func.functional_call), and its backward comes later, after that call
+    has put the module's own parameters back (and maybe after an optimizer step changed them); recomputing with
+    the module's attributes then would take the wrong weights."""
+    names = [name for name, _ in block.named_parameters()]
+    weights = [functools.reduce(getattr, name.split("."), block) for name in names]  # the stash, inside the call
+    return checkpoint(_run_block, block, names, x, *weights, use_reentrant=False)
+
+
+def _run_block(block: nn.Module, names: list[str], x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    return torch.func.functional_call(block, dict(zip(names, weights)), (x,))
 
 
 def build_stage(manifest: Manifest, stage: int) -> StageModel:

@@ -20,7 +20,7 @@ from swarm.errors import ManifestError
 from swarm.tokenizer import TOKENIZER_FILE, Tokenizer, byte_tokenizer, load_tokenizer, train_tokenizer
 
 TOKENIZER_SAMPLE_BYTES = 100_000_000  # a tokenizer is trained on at most about this much text
-MODEL_FLAGS_FROM_PRETRAINED = ("architecture", "width", "depth", "heads", "context_length", "vocab_size")
+MAX_PRETRAINED_CONTEXT = 2048  # default training window of a pretrained model (--context-length: up to its own)
 
 
 @dataclass
@@ -49,14 +49,21 @@ def swarm_sources(
     folder = manifest_path.parent
     result = SwarmSources(model=dict(model))
     if from_pretrained is not None:
-        given = [key for key in MODEL_FLAGS_FROM_PRETRAINED if key in model]
+        given = [key for key in model if key not in ("seed", "context_length")]
         if given:
             raise ManifestError(f"--from-pretrained gives the model's shape; drop --{given[0].replace('_', '-')}")
         source = Path(from_pretrained).expanduser()
         config = pretrained_model.read_config(source, seed=model.get("seed", 0))
         if config.tie_embeddings and (stages is None or stages > 1):
             config = dataclasses.replace(config, tie_embeddings=False)  # its stages cannot share one tensor
-        result.model = {**dataclasses.asdict(config), **{k: v for k, v in model.items() if k == "seed"}}
+        # the training windows: what --context-length says, else at most MAX_PRETRAINED_CONTEXT (a model made
+        # for 128k positions would otherwise train on windows no consumer GPU holds)
+        context = model.get("context_length", min(config.context_length, MAX_PRETRAINED_CONTEXT))
+        if context > config.context_length:
+            raise ManifestError(
+                f"--context-length {context} is longer than the model's {config.context_length} positions"
+            )
+        result.model = {**dataclasses.asdict(config), "context_length": context}
         result.pretrained = {"path": _relative(source, folder), "sha256": pretrained_model.weights_sha256(source)}
         if (source / TOKENIZER_FILE).is_file():
             tokenizer = str(source / TOKENIZER_FILE)

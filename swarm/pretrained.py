@@ -59,10 +59,16 @@ def read_config(folder: Path, seed: int = 0) -> ModelConfig:
 
 def pretrained_folder(manifest: Manifest) -> Path:
     """The folder `pretrained.path` names (relative: to the manifest's folder)."""
-    path = Path(manifest.pretrained.path).expanduser()
-    if not path.is_absolute() and manifest.origin and not manifest.origin.startswith(("http://", "https://")):
-        path = Path(manifest.origin) / path
-    return path
+    name, origin = manifest.pretrained.path, manifest.origin
+    if not origin or origin.startswith(("http://", "https://")):
+        # a manifest from a URL or a peer names a folder under the current one only (as for a secret file)
+        if Path(name).is_absolute() or ".." in Path(name).parts or name.startswith("~"):
+            raise ManifestError(
+                f"pretrained.path {name[:200]!r}: a manifest from a URL or a peer may name only a folder under the "
+                "current one; download the manifest and keep it next to the model's folder instead"
+            )
+        return Path.cwd() / name
+    return Path(origin) / Path(name).expanduser()
 
 
 def stage_parameters(manifest: Manifest, stage: int) -> dict[str, torch.Tensor]:

@@ -91,10 +91,11 @@ class StageRequest:
 
 def wire_compression(manifest: Manifest) -> str:
     """How activations and gradients travel between stages: as the manifest says, except that "float32" means
-    "uncompressed", which is the compute dtype when stages compute in bfloat16 or float16."""
+    "uncompressed", which is the compute dtype when stages compute in bfloat16. float16 stages send bfloat16:
+    gradients leave a stage unscaled (server/precision.py), and float16's range would flush small ones to zero."""
     training = manifest.training
     if training.activation_compression == "float32" and training.precision != "float32":
-        return training.precision
+        return "bfloat16"
     return training.activation_compression
 
 

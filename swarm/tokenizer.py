@@ -44,7 +44,8 @@ class Tokenizer:
             self.bos_id: int | None = None
         else:
             # the largest id + 1: a vocabulary with holes still needs an embedding row for its largest id
-            self.vocab_size = max(hf.get_vocab_size(with_added_tokens=True), max(hf.get_vocab().values()) + 1)
+            ids = hf.get_vocab().values()
+            self.vocab_size = max(hf.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
             self.eos_id = _first_token(hf, EOS_NAMES)
             self.bos_id = _first_token(hf, BOS_NAMES)
 

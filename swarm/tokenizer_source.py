@@ -75,23 +75,40 @@ def local_tokenizer(manifest: Manifest) -> Tokenizer | None:
     return load_tokenizer(store(body, data.tokenizer_sha256))
 
 
+def is_url(text: str) -> bool:
+    return text.startswith(("http://", "https://"))
+
+
+def confined(name: str) -> bool:
+    """Whether `name` is a relative path that stays in its folder: all that a manifest from a URL or from a peer
+    may name on this machine (it must not make this peer read any file it likes)."""
+    path = Path(name)
+    return not (path.is_absolute() or ".." in path.parts or name.startswith("~"))
+
+
 def _next_to_manifest(manifest: Manifest) -> bytes | None:
+    """The tokenizer file the manifest names, if it is where the manifest says and has the pinned hash; None
+    otherwise (a missing, unreachable or different file: the swarm's peers are asked instead)."""
     name, origin = manifest.data.tokenizer, manifest.origin
-    if name.startswith(("http://", "https://")) or origin.startswith(("http://", "https://")):
-        url = name if name.startswith(("http://", "https://")) else urllib.parse.urljoin(origin, name)
-        try:
-            return _fetch(url)
-        except TokenizerError as e:
-            logger.warning(f"{e}; asking the swarm's peers instead")
-            return None
-    path = Path(name).expanduser()
-    if not path.is_absolute() and origin:
-        path = Path(origin) / path
-    if not path.is_file():
+    try:
+        if is_url(name) or is_url(origin):
+            url = name if is_url(name) else urllib.parse.urljoin(origin, name) if confined(name) else ""
+            if not is_url(url):
+                return None
+            body = _fetch(url)
+            where = url
+        else:
+            if not origin and not confined(name):  # a manifest handed out by a peer: only names in this folder
+                return None
+            path = (Path(origin) if origin else Path.cwd()) / Path(name).expanduser()
+            if not path.is_file():
+                return None
+            body, where = path.read_bytes(), str(path)
+        check_hash(body, manifest.data.tokenizer_sha256, f"the tokenizer at {where}")
+        return body
+    except (TokenizerError, OSError) as e:
+        logger.warning(f"{e}; asking the swarm's peers instead")
         return None
-    body = path.read_bytes()
-    check_hash(body, manifest.data.tokenizer_sha256, f"the tokenizer file {path}")
-    return body
 
 
 def _fetch(url: str) -> bytes:

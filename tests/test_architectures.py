@@ -151,3 +151,33 @@ def test_precision_and_checkpointing_reach_the_stage():
     assert stage.compute_dtype == torch.bfloat16 and stage.activation_checkpointing
     with pytest.raises(ManifestError, match="precision"):
         manifest_from_dict(tiny_manifest_dict(training={"precision": "float8"}))
+
+
+def test_activation_checkpointing_recomputes_with_the_stashed_weights():
+    """A stage's forward runs with stashed weights (server/compute.py) and its backward later, after optimizer
+    steps may have changed the module's own: the recomputation must use the weights forward used."""
+    config = llama_manifest().model
+    grads = []
+    for checkpointing in (False, True):
+        stage = StageModel(config, range(1, 2), first=False, last=False, activation_checkpointing=checkpointing)
+        names = [name for name, _ in stage.named_parameters()]
+        stash = [p.detach().clone().requires_grad_(True) for p in stage.parameters()]
+        x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+        out = torch.func.functional_call(stage, dict(zip(names, stash)), (x,))
+        with torch.no_grad():  # an optimizer step between forward and backward
+            for p in stage.parameters():
+                p.add_(1.0)
+        grads.append(torch.autograd.grad(out.square().sum(), stash))
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_published_swarms_keep_their_ids():
+    """The settings issue 16 added are left out of the canonical form at their defaults: a manifest published
+    before keeps its swarm id (a URL's #id fragment still matches)."""
+    from conftest import ROOT
+    from swarm.manifest_loading import load_manifest
+
+    assert load_manifest(ROOT / "examples" / "demo.json").swarm_id == "189e7a87e976f80b"
+    assert "precision" not in new_manifest("x", "tiny").to_dict()["training"]
+    assert new_manifest("x", "llama-tiny").to_dict()["model"]["architecture"] == "llama"

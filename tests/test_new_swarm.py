@@ -4,6 +4,7 @@ prepared data pinned by its index's hash (and refused with another tokenizer), a
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -46,8 +47,10 @@ def test_a_changed_tokenizer_file_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "s.json"
     assert init_main(["s", "--tokenizer", str(source), "--out", str(out), "--json"]) == 0
     source.write_text(source.read_text().replace("<|endoftext|>", "<|endoftexT|>"))
-    with pytest.raises(TokenizerError, match="pins"):
-        tokenizer_source.local_tokenizer(load_manifest(out))
+    manifest = load_manifest(out)
+    assert tokenizer_source.local_tokenizer(manifest) is None  # not used: the swarm's peers are asked instead
+    with pytest.raises(TokenizerError, match="no peer was found"):
+        asyncio.run(tokenizer_source.tokenizer_from_peers(None, manifest, []))
 
 
 def test_prepared_data_is_pinned_and_must_match_the_tokenizer(tmp_path, capsys):
@@ -130,9 +133,33 @@ def test_a_manifest_from_a_url_finds_its_tokenizer_next_to_it(tmp_path, monkeypa
         assert tokenizer_source.local_tokenizer(manifest).sha256 == manifest.data.tokenizer_sha256
         assert tokenizer_source.cached_path(manifest.data.tokenizer_sha256).is_file()  # kept, to hand out
         tokenizer_source.cached_path(manifest.data.tokenizer_sha256).unlink()
-        (site / manifest.data.tokenizer).write_text("{}")  # the site now serves another file: refused
-        with pytest.raises(TokenizerError, match="pins"):
-            tokenizer_source.local_tokenizer(manifest)
+        (site / manifest.data.tokenizer).write_text("{}")  # the site now serves another file: not used
+        assert tokenizer_source.local_tokenizer(manifest) is None
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_manifest_from_a_url_or_a_peer_cannot_make_a_peer_read_its_files(tmp_path, monkeypatch):
+    import dataclasses
+
+    from swarm.errors import ManifestError
+
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    source = trained(tmp_path / "site")
+    out = tmp_path / "site" / "s.json"
+    assert init_main(["s", "--tokenizer", str(source), "--out", str(out), "--json"]) == 0
+    manifest = load_manifest(out)
+    secret = str(source.resolve())  # a file that has the pinned hash: read only when the manifest is the user's own
+    for origin, name in (("", secret), ("http://127.0.0.1:9/s.json", "file://" + secret), ("", "../site/x")):
+        hostile = dataclasses.replace(manifest, origin=origin, data=dataclasses.replace(manifest.data, tokenizer=name))
+        assert tokenizer_source.local_tokenizer(hostile) is None, (origin, name)
+    mine = dataclasses.replace(
+        manifest, origin=str(tmp_path), data=dataclasses.replace(manifest.data, tokenizer=secret)
+    )
+    assert tokenizer_source.local_tokenizer(mine) is not None  # a local manifest may name any file
+    from_url = dataclasses.replace(
+        manifest, origin="http://127.0.0.1:9/s.json", pretrained=type(manifest.pretrained)("/etc", "0" * 64)
+    )
+    with pytest.raises(ManifestError, match="only a folder under the current one"):
+        pretrained.pretrained_folder(from_url)

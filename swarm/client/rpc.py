@@ -20,6 +20,7 @@ from swarm.manifest_loading import MAX_MANIFEST_BYTES
 from swarm.server.service import NAMESPACE, StageService
 from swarm.server.state import STATE_COUNTERS
 from swarm.throughput import PROBE_BYTES, measure_bandwidth
+from swarm.tokenizer_source import CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +75,14 @@ async def fetch_tokenizer(p2p: P2P, peer_id: str, manifest: Manifest, max_bytes:
     """The swarm's tokenizer file as `peer_id` holds it (not yet checked against the manifest's hash), in chunks."""
     stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
     proof = manifest.proof(str(p2p.peer_id))
-    body = b""
+    body = bytearray()
+    expected_total: int | None = None
     deadline = time.monotonic() + timeout
     while True:
         request = protocol.make_control_request(manifest, proof, offset=len(body))
-        left = max(0.1, deadline - time.monotonic())
+        left = deadline - time.monotonic()
+        if left <= 0:  # a peer that sends tiny chunks fast cannot keep this loop going
+            raise TimeoutError(f"the tokenizer did not arrive within {timeout:g} s ({len(body)} bytes so far)")
         reply = await asyncio.wait_for(stub.rpc_tokenizer(request, timeout=left), left)
         metadata = protocol.unpack(reply.metadata) if reply.metadata else {}
         if not isinstance(metadata, dict):
@@ -88,11 +92,15 @@ async def fetch_tokenizer(p2p: P2P, peer_id: str, manifest: Manifest, max_bytes:
         chunk, total = metadata.get("data"), metadata.get("total")
         if not isinstance(chunk, bytes) or not isinstance(total, int) or not 0 < total <= max_bytes:
             raise RemoteStageError("the peer's reply holds no tokenizer chunk", "internal")
+        expected_total = total if expected_total is None else expected_total
+        last = len(body) + len(chunk) >= total
+        if total != expected_total or (not last and len(chunk) != CHUNK_BYTES):
+            raise RemoteStageError("the peer's tokenizer chunks do not add up", "internal")
         body += chunk
-        if len(body) >= total or not chunk:
+        if last:
             if len(body) != total:
                 raise RemoteStageError(f"the peer sent {len(body)} bytes of a {total}-byte tokenizer", "internal")
-            return body
+            return bytes(body)
 
 
 async def manifest_from_peer(p2p: P2P, maddr: str) -> Manifest:

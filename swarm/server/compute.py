@@ -260,7 +260,7 @@ class StageCompute:
         if scale != 1.0:
             grads = tuple(None if g is None else g.float() / scale for g in grads)
         if not all(g is None or protocol.all_finite(g) for g in grads):
-            if self.scaler.enabled:
+            if self.scaler.enabled and scale > self.scaler.minimum:  # at the floor: the request's fault
                 self.scaler.overflowed()
                 raise GradientOverflowError(
                     f"float16 gradients overflowed at loss scale {scale:g}; not applied, the scale is now "

@@ -22,7 +22,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.balancing import PeerLoad, choose_stage, peer_loads, should_move, stage_totals
 from swarm.coordinates import Vivaldi
-from swarm.errors import PeerStartError, SwarmError
+from swarm.errors import ManifestError, PeerStartError, SwarmError
 from swarm.events import Event, EventKind, OnEvent, ignore
 from swarm.manifest import Manifest
 from swarm.model import build_stage
@@ -166,7 +166,13 @@ class Rebalancer:
         try:
             await new.join(self.dht, self.p2p)
             # a target without online peers has lost its state anyway (they all died): start it afresh
-            if not await self.takeover.into(new, reason="move"):
+            try:
+                taken = await self.takeover.into(new, reason="move")
+            except ManifestError as e:  # e.g. the stage would start from a pretrained folder this machine lacks
+                logger.warning(f"move to stage {target} called off: {e}")
+                await new.shutdown()
+                return False
+            if not taken:
                 logger.warning(f"move to stage {target} called off: none of its peers could give its state")
                 await new.shutdown()
                 return False
