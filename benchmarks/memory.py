@@ -4,8 +4,8 @@ checkpointing, measured on this machine's CPU.
     python benchmarks/memory.py [--preset llama-150m] [--stages 2] [--microbatch-size 8]
 
 For each stage, in a process of its own (so that peak RSS is the stage's alone): the stage is built in the
-preset's precision, one microbatch (the preset's size and context) runs forward and backward, and an AdamW step
-is taken. Reported: activation bytes (every tensor autograd saves for backward, counted once per storage by a
+preset's precision, one microbatch (the preset's size and context) runs forward and backward (the last stage's
+loss in chunks of tokens, as a serving peer computes it), and an AdamW step is taken. Reported: activation bytes (every tensor autograd saves for backward, counted once per storage by a
 saved-tensors hook; tensors that checkpointing keeps itself, each block's input, are not seen by it), the
 resident memory that forward leaves held until backward (RSS after forward minus before: every activation
 kept, checkpointed or not), the bytes of parameters, gradients and AdamW
@@ -67,12 +67,10 @@ def measure(preset: str, stages: int, stage: int, checkpointing: bool, microbatc
     before = current_rss()
     begin = time.monotonic()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = model(inputs)
-        loss = (
-            model.loss(out, inputs if stage == 0 else torch.zeros(out.shape[:2], dtype=torch.long))
-            if model.last
-            else out.float().square().mean()
-        )
+        if model.last:  # as a serving peer does: the loss in chunks of tokens (StageModel.forward_loss)
+            loss = model.forward_loss(inputs, torch.zeros(inputs.shape[:2], dtype=torch.long))
+        else:
+            loss = model(inputs).float().square().mean()
     held = current_rss() - before  # what forward keeps alive for backward (and the loss's logits)
     loss.backward()
     optimizer.step()

@@ -25,6 +25,7 @@ from swarm.architectures import architecture
 from swarm.manifest import Manifest, ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOSS_CHUNK_TOKENS = 2048  # tokens whose logits the last stage holds at once while training (forward_loss)
 
 
 class StageModel(nn.Module):
@@ -73,6 +74,24 @@ class StageModel(nn.Module):
                     x = block(x)
             return self.head(x) if self.head is not None else x
 
+    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's mean loss, `loss(self(inputs), targets)`, without ever holding all the logits: the head
+        runs on LOSS_CHUNK_TOKENS tokens at a time, each chunk recomputed in backward (the logits of a microbatch
+        of 8 x 1,024 tokens and a 32k vocabulary are 1.5 GB in bfloat16 and float32 together)."""
+        assert self.head is not None, "only the last stage computes the loss"
+        with self._autocast(inputs.device):
+            x = self.embeddings(inputs) if self.embeddings is not None else inputs
+            for block in self.blocks:
+                x = _checkpointed(block, x) if self.activation_checkpointing and torch.is_grad_enabled() else block(x)
+            hidden, flat = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+            if not torch.is_grad_enabled() or flat.numel() <= LOSS_CHUNK_TOKENS:
+                return self.loss(self.head(hidden), flat)
+            total = hidden.new_zeros((), dtype=torch.float32)
+            for start in range(0, flat.numel(), LOSS_CHUNK_TOKENS):
+                end = start + LOSS_CHUNK_TOKENS
+                total = total + _checkpointed(_SummedLoss(self.head), hidden[start:end], flat[start:end])
+            return total / flat.numel()
+
     def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
@@ -84,18 +103,30 @@ class StageModel(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def _checkpointed(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+class _SummedLoss(nn.Module):
+    """The head and the summed cross-entropy of a chunk of tokens (forward_loss checkpoints one per chunk)."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(hidden).float(), targets, reduction="sum")
+
+
+def _checkpointed(block: nn.Module, x: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
     """`block(x)`, recomputed in backward. The weights go in as explicit inputs: a stage's forward may run with
     stashed weights (server/compute.py, torch.func.functional_call), and its backward comes later, after that call
     has put the module's own parameters back (and maybe after an optimizer step changed them); recomputing with
     the module's attributes then would take the wrong weights."""
     names = [name for name, _ in block.named_parameters()]
     weights = [functools.reduce(getattr, name.split("."), block) for name in names]  # the stash, inside the call
-    return checkpoint(_run_block, block, names, x, *weights, use_reentrant=False)
+    return checkpoint(_run_block, block, names, len(extra), x, *extra, *weights, use_reentrant=False)
 
 
-def _run_block(block: nn.Module, names: list[str], x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-    return torch.func.functional_call(block, dict(zip(names, weights)), (x,))
+def _run_block(block: nn.Module, names: list[str], extras: int, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    inputs, weights = (x, *rest[:extras]), rest[extras:]
+    return torch.func.functional_call(block, dict(zip(names, weights)), inputs)
 
 
 def build_stage(manifest: Manifest, stage: int) -> StageModel:

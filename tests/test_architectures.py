@@ -181,3 +181,19 @@ def test_published_swarms_keep_their_ids():
     assert load_manifest(ROOT / "examples" / "demo.json").swarm_id == "189e7a87e976f80b"
     assert "precision" not in new_manifest("x", "tiny").to_dict()["training"]
     assert new_manifest("x", "llama-tiny").to_dict()["model"]["architecture"] == "llama"
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_chunked_loss_equals_the_loss_of_all_logits(monkeypatch, checkpointing):
+    import swarm.model
+
+    monkeypatch.setattr(swarm.model, "LOSS_CHUNK_TOKENS", 50)  # 4 x 32 tokens: three chunks, the last one short
+    config = llama_manifest().model
+    last = StageModel(config, range(1, 3), first=False, last=True, activation_checkpointing=checkpointing)
+    x = torch.randn(4, 32, 64, requires_grad=True)
+    targets = torch.randint(0, 300, (4, 32))
+    whole = StageModel.loss(last(x), targets)
+    chunked = last.forward_loss(x, targets)
+    assert abs(float(whole) - float(chunked)) < 1e-5
+    for a, b in zip(*(torch.autograd.grad(loss, [x, *last.parameters()]) for loss in (whole, chunked))):
+        assert torch.allclose(a, b, atol=1e-6)
