@@ -4,6 +4,7 @@ routed around, and no stage applies a microbatch twice."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -74,6 +75,10 @@ def test_three_stages_forward_around_a_killed_hop_and_the_trainers_link_carries_
         busy = max(range(2), key=lambda i: recent_bytes(earlier, now, f"s1-{i}"))
         victim, survivor = middle[busy], middle[1 - busy]
         before = last_status(trainer)["trainer_samples"]
+        # frozen first, for a second: microbatches that stage 0 sends it meanwhile are surely in flight there when it
+        # dies (a kill at a moment when it held none leaves nothing to reroute: seen on a loaded machine)
+        victim.signal_group(signal.SIGSTOP)
+        time.sleep(1.0)
         victim.kill()
         killed = time.monotonic()
         trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= before + 30 * BATCH, timeout=60)
