@@ -372,12 +372,9 @@ async def export_swarm(
         tensors = assemble_full_state(manifest, [params for params, _ in results])
         tokenizer = None
         if with_tokenizer:
-            tokenizer = tokenizer_source.local_tokenizer(manifest)
-            if tokenizer is None:
-                peer_ids = [peer.peer_id for peers in sources for peer in peers[:SOURCES_PER_STAGE]]
-                tokenizer = await tokenizer_source.tokenizer_from_peers(
-                    p2p, manifest, peer_ids, timeout=max(1.0, remaining(deadline))
-                )
+            peer_ids = [peer.peer_id for peers in sources for peer in peers[:SOURCES_PER_STAGE]]
+            timeout = max(1.0, remaining(deadline))
+            tokenizer = await tokenizer_source.swarm_tokenizer(p2p, manifest, peer_ids, timeout)
         return manifest, tensors, [source for _, source in results], tokenizer
     finally:
         try:

@@ -60,13 +60,21 @@ def with_secret(manifest: Manifest, base: Path, from_url: bool = False) -> Manif
     if not manifest.private:
         return manifest
     named = Path(manifest.network.secret_file)
-    if from_url and (named.is_absolute() or ".." in named.parts or str(named).startswith("~")):
+    if from_url and not confined(str(named)):
         raise ManifestError(
             f"network.secret_file {str(named)[:200]!r}: a manifest from a URL may name only a file in the current "
             "folder (or below it); download the manifest and keep it next to the secret file instead"
         )
     path = base / named.expanduser()
     return dataclasses.replace(manifest, secret=read_secret(path))
+
+
+def confined(name: str) -> bool:
+    """Whether `name` is a relative path that stays in its folder: all that a manifest from a URL or from a peer
+    may name on this machine (a secret file, a tokenizer, a pretrained folder), so that it cannot make this peer
+    read any file it likes."""
+    path = Path(name)
+    return not (path.is_absolute() or ".." in path.parts or name.startswith("~"))
 
 
 def _split_swarm_id(url: str) -> tuple[str, str | None]:

@@ -66,13 +66,15 @@ class StageModel(nn.Module):
         """Logits on the last stage (in the compute dtype), hidden states otherwise (float32: the residual stream
         stays float32 under autocast)."""
         with self._autocast(inputs.device):
-            x = self.embeddings(inputs) if self.embeddings is not None else inputs
-            for block in self.blocks:
-                if self.activation_checkpointing and torch.is_grad_enabled():
-                    x = _checkpointed(block, x)
-                else:
-                    x = block(x)
+            x = self._blocks(inputs)
             return self.head(x) if self.head is not None else x
+
+    def _blocks(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The embeddings (stage 0) and the blocks, each recomputed in backward with activation checkpointing."""
+        x = self.embeddings(inputs) if self.embeddings is not None else inputs
+        for block in self.blocks:
+            x = _checkpointed(block, x) if self.activation_checkpointing and torch.is_grad_enabled() else block(x)
+        return x
 
     def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's mean loss, `loss(self(inputs), targets)`, without ever holding all the logits: the head
@@ -80,9 +82,7 @@ class StageModel(nn.Module):
         of 8 x 1,024 tokens and a 32k vocabulary are 1.5 GB in bfloat16 and float32 together)."""
         assert self.head is not None, "only the last stage computes the loss"
         with self._autocast(inputs.device):
-            x = self.embeddings(inputs) if self.embeddings is not None else inputs
-            for block in self.blocks:
-                x = _checkpointed(block, x) if self.activation_checkpointing and torch.is_grad_enabled() else block(x)
+            x = self._blocks(inputs)
             hidden, flat = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
             if not torch.is_grad_enabled() or flat.numel() <= LOSS_CHUNK_TOKENS:
                 return self.loss(self.head(hidden), flat)

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from swarm import pretrained as pretrained_model
-from swarm.corpus import INDEX_FILE, index_sha256
+from swarm.corpus import index_sha256
+from swarm.data import prepared_index
 from swarm.documents import training_texts
 from swarm.errors import ManifestError
 from swarm.tokenizer import TOKENIZER_FILE, Tokenizer, byte_tokenizer, load_tokenizer, train_tokenizer
@@ -67,7 +68,7 @@ def swarm_sources(
         result.pretrained = {"path": _relative(source, folder), "sha256": pretrained_model.weights_sha256(source)}
         if (source / TOKENIZER_FILE).is_file():
             tokenizer = str(source / TOKENIZER_FILE)
-    index = _prepared_index(data_source)
+    index = prepared_index(data_source) if data_source is not None else None
     if index is not None:
         result.data["index_sha256"] = index_sha256(index)
         if tokenizer is None and train_tokenizer_size is None and (index.parent / TOKENIZER_FILE).is_file():
@@ -94,16 +95,6 @@ def swarm_sources(
     if index is not None:
         _check_index_tokenizer(index, result.tokenizer)
     return result
-
-
-def _prepared_index(data_source: str | None) -> Path | None:
-    """The index.json of a folder that `swarm-data prepare` wrote; None for raw sources."""
-    if data_source is None or data_source == "stdlib":
-        return None
-    path = Path(data_source).expanduser()
-    if path.name == INDEX_FILE and path.is_file():
-        return path
-    return path / INDEX_FILE if (path / INDEX_FILE).is_file() else None
 
 
 def _check_index_tokenizer(index: Path, tokenizer: Tokenizer) -> None:

@@ -28,6 +28,7 @@ from swarm.server import reachability
 from swarm.server.reachability import ReachabilityService, ReverseConnector
 from swarm.server.rebalancer import Rebalancer
 from swarm.server.stage import ServingOptions, StageServer
+from swarm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -89,28 +90,28 @@ class Peer:
         if metrics_address is not None:
             self.metrics = start_metrics_server(*metrics_address, self.rebalancer, lambda: self.trainer)
 
-    async def get_tokenizer(self) -> None:
-        """Make sure this machine has the swarm's tokenizer (to tokenize raw data, and to hand it to peers that
+    async def get_tokenizer(self) -> Tokenizer:
+        """The swarm's tokenizer, which this machine then keeps (to tokenize raw data, and to hand it to peers that
         join later): from its cache or next to the manifest, else from the swarm's peers. Raises TokenizerError."""
-        if tokenizer_source.local_tokenizer(self.manifest) is not None:
-            return
+        local = tokenizer_source.local_tokenizer(self.manifest)  # (the byte vocabulary needs no file)
+        if local is not None:
+            return local  # no DHT read at start for it
         peer_ids = [address.rsplit("/p2p/", 1)[1] for address in self.manifest.initial_peers]
         stages = await self.rebalancer.view.all_stages(force=True)
         peer_ids += [a.peer_id for announcements in stages for a in announcements if a.peer_id not in peer_ids]
         peer_ids = [peer_id for peer_id in peer_ids if peer_id != self.peer_id]
-        await tokenizer_source.tokenizer_from_peers(self.p2p, self.manifest, peer_ids)
+        return await tokenizer_source.tokenizer_from_peers(self.p2p, self.manifest, peer_ids)
 
     async def join(self) -> None:
         """Choose a stage, take over its state and serve it; then keep balancing, and train if asked to. A
         trainer-only peer just trains."""
-        await self.get_tokenizer()
+        tokenizer = await self.get_tokenizer()
         if not self.training.only:
             await self.rebalancer.start()
             self._tasks["balancing"] = asyncio.create_task(self.rebalancer.run(self._stop))
         if not self.training.enabled:
             return
         manifest = self.manifest
-        tokenizer = tokenizer_source.local_tokenizer(manifest)
         self.data = await asyncio.to_thread(open_swarm_data, manifest, tokenizer, self.training.data)
         stream = TrainingStream(self.data, self.peer_id, seed=self.training.seed or 0)
         self.trainer = Trainer(

@@ -20,6 +20,7 @@ import torch
 from swarm.errors import ManifestError
 from swarm.huggingface import hf_name, model_config_from_hf
 from swarm.manifest import Manifest, ModelConfig
+from swarm.manifest_loading import confined
 from swarm.server.state import stage_parameter_shapes
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def pretrained_folder(manifest: Manifest) -> Path:
     name, origin = manifest.pretrained.path, manifest.origin
     if not origin or origin.startswith(("http://", "https://")):
         # a manifest from a URL or a peer names a folder under the current one only (as for a secret file)
-        if Path(name).is_absolute() or ".." in Path(name).parts or name.startswith("~"):
+        if not confined(name):
             raise ManifestError(
                 f"pretrained.path {name[:200]!r}: a manifest from a URL or a peer may name only a folder under the "
                 "current one; download the manifest and keep it next to the model's folder instead"

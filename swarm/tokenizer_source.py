@@ -21,6 +21,7 @@ from swarm import __version__
 from swarm.errors import TokenizerError
 from swarm.files import atomic_write
 from swarm.manifest import Manifest
+from swarm.manifest_loading import confined
 from swarm.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -79,13 +80,6 @@ def is_url(text: str) -> bool:
     return text.startswith(("http://", "https://"))
 
 
-def confined(name: str) -> bool:
-    """Whether `name` is a relative path that stays in its folder: all that a manifest from a URL or from a peer
-    may name on this machine (it must not make this peer read any file it likes)."""
-    path = Path(name)
-    return not (path.is_absolute() or ".." in path.parts or name.startswith("~"))
-
-
 def _next_to_manifest(manifest: Manifest) -> bytes | None:
     """The tokenizer file the manifest names, if it is where the manifest says and has the pinned hash; None
     otherwise (a missing, unreachable or different file: the swarm's peers are asked instead)."""
@@ -121,6 +115,12 @@ def _fetch(url: str) -> bytes:
     if len(body) > MAX_TOKENIZER_BYTES:
         raise TokenizerError(f"{url} sent more than {MAX_TOKENIZER_BYTES} bytes; that is not a tokenizer.json")
     return body
+
+
+async def swarm_tokenizer(p2p, manifest: Manifest, peer_ids: Sequence[str], timeout: float = 60.0) -> Tokenizer:
+    """The swarm's tokenizer: from this machine or next to the manifest, else from the first of `peer_ids`."""
+    local = local_tokenizer(manifest)
+    return local if local is not None else await tokenizer_from_peers(p2p, manifest, peer_ids, timeout)
 
 
 async def tokenizer_from_peers(p2p, manifest: Manifest, peer_ids: Sequence[str], timeout: float = 60.0) -> Tokenizer:
