@@ -197,3 +197,23 @@ def test_the_chunked_loss_equals_the_loss_of_all_logits(monkeypatch, checkpointi
     assert abs(float(whole) - float(chunked)) < 1e-5
     for a, b in zip(*(torch.autograd.grad(loss, [x, *last.parameters()]) for loss in (whole, chunked))):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}}, "rotary"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rotary"),
+        ({"attention_bias": True}, "no biases"),
+        ({"hidden_act": "gelu"}, "SwiGLU"),
+        ({"model_type": "mistral"}, "Llama checkpoints"),
+        ({"num_attention_heads": 0}, "positive integer"),
+    ],
+)
+def test_pretrained_configs_swarm_cannot_run_are_refused(change, message):
+    from swarm.huggingface import model_config_from_hf
+
+    raw = {k: v for k, v in hf_config(llama_manifest().model).items() if k != "architectures"}
+    assert model_config_from_hf(raw) == llama_manifest().model  # the round trip
+    with pytest.raises(ManifestError, match=message):
+        model_config_from_hf({**raw, **change})

@@ -163,3 +163,13 @@ def test_a_manifest_from_a_url_or_a_peer_cannot_make_a_peer_read_its_files(tmp_p
     )
     with pytest.raises(ManifestError, match="only a folder under the current one"):
         pretrained.pretrained_folder(from_url)
+
+
+def test_a_tokenizer_file_without_a_vocabulary_is_a_clear_error(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    empty = tmp_path / "tokenizer.json"
+    empty.write_text(HFTokenizer(models.BPE(vocab={}, merges=[])).to_str())
+    with pytest.raises(TokenizerError, match="has 0 ids"):
+        load_tokenizer(empty)
