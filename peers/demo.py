@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.peers < manifest.num_stages:
             raise SwarmError(f"--peers {args.peers}: the swarm has {manifest.num_stages} stages, each needs a peer")
         dht = joining.start_dht([], joining.LOOPBACK)
+        joining.sign_records(dht, manifest, None)  # it reads the peers' records, writes none
     except SwarmError as e:
         print(f"swarm-demo: error: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ from swarm.records import MAX_THROUGHPUT, announceable
 from swarm.server.reachability import check_reachability
 from swarm.server.rebalancer import Rebalancer
 from swarm.server.stage import ServingOptions, StageServer
+from swarm.signing import IdentityKey
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
 
 logger = logging.getLogger("swarm-peer")
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cannot share an identity: stop the other one, or give this peer its own file"
                 )
             initial_peers = without_own_address(initial_peers, own_id)  # a restart: nobody answers there
+        signing_key = IdentityKey.from_file(identity_path) if identity_path is not None else IdentityKey.generate()
         if not initial_peers and not args.new_swarm:
             print("the manifest lists no initial peers: starting a new swarm", flush=True)
         args.reachable = decide_reachability(args, initial_peers, host_maddrs, manifest)
@@ -259,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             no_listen=args.no_listen,
             identity_path=identity_path,
             secret=manifest.secret if manifest is not None else None,
+            identity=signing_key,
         )
         device = runtime.resolve_device(args.device)
         if args.threads:
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             identity.close()
         return 2
     try:
-        return asyncio.run(run_peer(args, manifest, dht, device))
+        return asyncio.run(run_peer(args, manifest, dht, device, signing_key))
     except SwarmError as e:
         print(f"swarm-peer: error: {e}", file=sys.stderr)
         return 2
@@ -328,13 +331,16 @@ def publish_addresses(args: argparse.Namespace, manifest: Manifest, addrs: list[
     )
 
 
-async def run_peer(args: argparse.Namespace, manifest: Manifest | None, dht, device: torch.device) -> int:
+async def run_peer(
+    args: argparse.Namespace, manifest: Manifest | None, dht, device: torch.device, signing_key: IdentityKey
+) -> int:
     stop = asyncio.Event()
     runtime.install_stop_handlers(stop)
     p2p = await dht.replicate_p2p()
     if manifest is None:
         manifest = await joining.manifest_through_peer(p2p, args.join, manifest)
         check_stage_flag(args, manifest)
+    joining.sign_records(dht, manifest, signing_key)  # before any record is written or read
     print(f"swarm {manifest.name!r} (id {manifest.swarm_id}), peer {dht.peer_id}", flush=True)
     maddrs = [] if args.no_listen else joining.visible_maddrs(dht)  # hivemind logs an error for a non-listener
     if args.reachable:

@@ -106,6 +106,7 @@ async def watch(args: argparse.Namespace, manifest: Manifest | None, dht) -> int
 
 async def show(args: argparse.Namespace, manifest: Manifest, dht) -> int:
     """Read the swarm and print it, once or (--watch) until interrupted; the exit code."""
+    joining.sign_records(dht, manifest, None)  # a reader: it checks every record's signature, writes none
     console = Console() if sys.stdout.isatty() else Console(width=160)  # piped: do not squeeze the tables
     seen: dict[str, dict[str, Any]] = {}  # peers seen earlier, to show as "gone" when they vanish (--watch)
     document = await read_swarm(dht, manifest, args.join, seen)  # the first read must work: else exit 2
@@ -222,7 +223,23 @@ def render(args: argparse.Namespace, document: dict[str, Any]) -> Group:
         f"({training['tokens_per_second']:.0f} tokens/s), recent loss {loss}, "
         f"{_count(training['tokens_trained'])} tokens trained so far"
     )
-    return Group(header, verdict, stage_table(document), peers_table(document), progress)
+    return Group(header, verdict, stage_table(document), peers_table(document), contributors_table(document), progress)
+
+
+def contributors_table(document: dict[str, Any]) -> Table:
+    """The top volunteers by attested samples: what trainers vouch for in signed reports, not what peers claim."""
+    table = Table(title="top contributors (samples attested by trainers)", title_justify="left")
+    for column in ("rank", "peer", "name", "attested", "claimed"):
+        table.add_column(column, justify="right" if column in ("rank", "attested", "claimed") else "left")
+    for rank, p in enumerate(document["contributors"], start=1):
+        table.add_row(
+            str(rank),
+            Text(p["short_id"]),
+            Text(p["public_name"] or "-"),
+            _count(p["attested_samples"]),
+            _count(p["claimed_samples"]),
+        )
+    return table
 
 
 def stage_table(document: dict[str, Any]) -> Table:
@@ -248,9 +265,10 @@ def stage_table(document: dict[str, Any]) -> Table:
 
 def peers_table(document: dict[str, Any]) -> Table:
     table = Table(title="peers", title_justify="left")
-    columns = ("peer", "name", "stage", "state", "speed", "delivered", "served", "queue", "uptime", "seen")
+    columns = ("peer", "name", "stage", "state", "speed", "delivered", "attested", "claimed", "queue", "uptime", "seen")
+    numbers = ("speed", "delivered", "attested", "claimed", "queue")
     for column in (*columns, "device", "version", "reachable"):
-        table.add_column(column, justify="right" if column in ("speed", "delivered", "served", "queue") else "left")
+        table.add_column(column, justify="right" if column in numbers else "left")
     for p in document["peers"]:
         table.add_row(  # Text(): strings from the network are never read as rich markup
             Text(p["short_id"]),
@@ -259,7 +277,8 @@ def peers_table(document: dict[str, Any]) -> Table:
             Text(p["status"], style=STATUS_STYLES.get(p["status"], "default")),
             f"{p['throughput']:.1f}/s",
             f"{p['delivered_throughput']:.1f}/s",
-            _count(p["samples_served"]),
+            _count(p["attested_samples"]),  # what trainers vouch for in their signed reports
+            _count(p["samples_served"]),  # what the peer says of itself
             str(p["outstanding"]),
             _duration(p["uptime"]),
             f"{_duration(p['last_seen'])} ago",

@@ -336,6 +336,7 @@ async def export_swarm(
     p2p = await asyncio.wait_for(dht.replicate_p2p(), max(0.1, remaining(deadline)))
     try:
         manifest = await joining.manifest_through_peer(p2p, join, manifest)
+        joining.sign_records(dht, manifest, None)  # it reads records, writes none: only signed ones count
         on_manifest(manifest)
         for stage in range(manifest.num_stages):
             on_status(stage, "looking for online peers", False)

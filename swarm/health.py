@@ -74,6 +74,35 @@ def stage_samples_trained(manifest: Manifest, peers: list[Announcement]) -> int:
     return latest * manifest.averaging.every_samples + in_round
 
 
+TOP_CONTRIBUTORS = 10
+
+
+def attested_samples(reports: list[TrainerReport]) -> dict[str, int]:
+    """Samples each stage peer trained, as the trainers' signed reports vouch for it (a report cannot vouch for more
+    samples than its trainer says it trained; a trainer does not vouch for its own peer's server)."""
+    attested: dict[str, int] = {}
+    for report in reports:
+        for peer_id, samples in report.served:
+            if peer_id != report.peer_id:
+                attested[peer_id] = attested.get(peer_id, 0) + min(samples, report.samples)
+    return attested
+
+
+def contributors(peers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The volunteers who contributed most, ranked by what trainers attest (a peer's own count is only shown)."""
+    ranked = sorted(peers, key=lambda p: (-p["attested_samples"], -p["samples_served"], p["peer_id"]))
+    return [
+        {
+            "peer_id": p["peer_id"],
+            "short_id": p["short_id"],
+            "public_name": p["public_name"],
+            "attested_samples": p["attested_samples"],
+            "claimed_samples": p["samples_served"],
+        }
+        for p in ranked[:TOP_CONTRIBUTORS]
+    ]
+
+
 def training_progress(manifest: Manifest, reports: list[TrainerReport], samples_trained: int) -> dict[str, Any]:
     """Swarm-wide training figures from the trainers' reports: speed, recent loss, tokens so far."""
     speed = sum(r.samples_per_second for r in reports)
@@ -107,6 +136,9 @@ def swarm_health(
     """Everything peer-status shows, as one JSON-compatible document (see `exit_code` for its verdict)."""
     period = manifest.network.announce_period
     peers = one_record_per_peer([peer_document(ann, now, period) for anns in stages for ann in anns])
+    attested = attested_samples(reports)
+    for peer in peers:
+        peer["attested_samples"] = attested.get(peer["peer_id"], 0)
     peers.sort(key=lambda p: (p["stage"], p["status"] != "online", p["peer_id"]))
 
     live = [p for p in peers if p["status"] in ("online", "joining")]
@@ -164,6 +196,7 @@ def swarm_health(
         },
         "stages": stage_rows,
         "peers": peers,
+        "contributors": contributors(peers),
         "training": training_progress(manifest, reports, samples_trained),
         "time": now,
     }

@@ -13,8 +13,9 @@ from hivemind.p2p import P2P
 from swarm.errors import PeerStartError
 from swarm.manifest import Manifest
 from swarm.manifest_loading import load_manifest
-from swarm.records import is_loopback
+from swarm.records import is_loopback, protected_keys
 from swarm.secret import SwarmSecret
+from swarm.signing import IdentityKey, protect_records
 
 ALL_INTERFACES = ["/ip4/0.0.0.0/tcp/0"]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -56,15 +57,48 @@ def start_dht(
     no_listen: bool = False,
     identity_path: Path | None = None,
     secret: SwarmSecret | None = None,
+    identity: IdentityKey | None = None,
 ) -> DHT:
     """Start a hivemind DHT node (its own process and p2pd daemon), turning failures into PeerStartError.
-    With a private swarm's `secret`, the node talks only to nodes that hold it (see swarm/secret.py)."""
+    With a private swarm's `secret`, the node talks only to nodes that hold it (see swarm/secret.py).
+
+    The node's libp2p key is the one in `identity_path`, else `identity` (else a new one): the key must be
+    known here, because the peer signs its records with it (swarm/signing.py); p2pd reads it from a file, which
+    for a key without a path lives only until the daemon has started."""
     for addrs, flag in ((host_maddrs, "--host-maddrs"), (announce_maddrs or [], "--announce-maddrs")):
         try:
             validate_multiaddrs_without_peer(addrs)
         except ValueError as e:
             raise PeerStartError(f"{flag}: {e}") from None
     sockets_before = daemon_sockets()
+    with tempfile.TemporaryDirectory(prefix="swarm-identity-") as folder:
+        if identity_path is None:
+            identity_path = Path(folder) / "identity.key"
+            (identity or IdentityKey.generate()).write(identity_path)
+        return _start_dht(
+            initial_peers,
+            host_maddrs,
+            announce_maddrs,
+            client_mode,
+            startup_timeout,
+            no_listen,
+            identity_path,
+            secret,
+            sockets_before,
+        )
+
+
+def _start_dht(
+    initial_peers: list[str],
+    host_maddrs: list[str],
+    announce_maddrs: list[str] | None,
+    client_mode: bool,
+    startup_timeout: float,
+    no_listen: bool,
+    identity_path: Path,
+    secret: SwarmSecret | None,
+    sockets_before: set[Path],
+) -> DHT:
     try:
         return DHT(
             initial_peers=list(initial_peers),
@@ -75,7 +109,8 @@ def start_dht(
             startup_timeout=startup_timeout,
             **({"no_listen": True} if no_listen else {}),
             # the peer checked that the identity is free itself (swarm/identity.py), with a clearer error
-            **({"identity_path": str(identity_path), "check_if_identity_free": False} if identity_path else {}),
+            identity_path=str(identity_path),
+            check_if_identity_free=False,
             **({"authorizer": secret.authorizer()} if secret is not None else {}),
         )
     except Exception as e:
@@ -88,6 +123,12 @@ def start_dht(
             else "the DHT daemon did not start"
         )
         raise PeerStartError(f"could not join the DHT: {hint} ({type(e).__name__}: {e})") from None
+
+
+def sign_records(dht: DHT, manifest: Manifest, identity: IdentityKey | None) -> None:
+    """Make `dht` sign this peer's records of the swarm with `identity` (None: a reader that writes none) and refuse
+    the swarm's records that are not signed by the peer they name (swarm/signing.py)."""
+    protect_records(dht, protected_keys(manifest.swarm_id, manifest.num_stages), identity)
 
 
 def daemon_sockets() -> set[Path]:

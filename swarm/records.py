@@ -35,6 +35,7 @@ MAX_TEXT = 256
 MAX_ADDRESSES = 8
 PEER_ID_PATTERN = re.compile(r"[1-9A-HJ-NP-Za-km-z]{8,128}")  # base58
 MAX_COUNT = 2**53
+MAX_ATTESTED_PEERS = 64  # stage peers a trainer report vouches for (the ones that served it most)
 MAX_THROUGHPUT = 1e6  # samples per second; far above any real device for the models this runs
 MAX_LIFETIME = 3600.0  # records that claim to live longer than this are dropped on read
 DHT_TIMEOUT = 10.0  # seconds for one DHT read or write
@@ -65,6 +66,11 @@ def stage_key(swarm_id: str, stage: int) -> str:
 
 def trainers_key(swarm_id: str) -> str:
     return f"{swarm_id}.trainers"
+
+
+def protected_keys(swarm_id: str, num_stages: int) -> list[str]:
+    """The keys whose records only the peer named by their subkey may write (swarm/signing.py)."""
+    return [*(stage_key(swarm_id, stage) for stage in range(num_stages)), trainers_key(swarm_id)]
 
 
 @dataclass(frozen=True)
@@ -117,11 +123,15 @@ class TrainerReport:
     samples: int
     failed_microbatches: int = 0
     maddrs: tuple[str, ...] = ()  # where to dial it (stage peers that others cannot dial open connections here)
+    # samples each stage peer trained for this trainer since it started, as this trainer saw them done: what
+    # the stage peers' contributions are ranked by (their own `samples_served` is only their claim)
+    served: tuple[tuple[str, int], ...] = ()
     expiration: float = 0.0
 
     def to_record(self) -> dict[str, Any]:
         record = asdict(self)
         record.pop("expiration")
+        record["served"] = {peer_id: samples for peer_id, samples in self.served}
         return record
 
 
@@ -180,11 +190,18 @@ def parse_trainer_report(subkey: Any, record: Any, expiration: float) -> Trainer
             samples=_count(record["samples"]),
             failed_microbatches=_count(record["failed_microbatches"]),
             maddrs=_addresses(record.get("maddrs", [])),
+            served=_served(record.get("served", {})),
             expiration=float(expiration),
         )
     except (KeyError, ValueError):
         return None
     return report if report.peer_id == subkey else None
+
+
+def _served(value: Any) -> tuple[tuple[str, int], ...]:
+    if not isinstance(value, dict) or len(value) > MAX_ATTESTED_PEERS:
+        raise ValueError("not a table of samples served")
+    return tuple((_peer_id(peer_id), _count(samples)) for peer_id, samples in value.items())
 
 
 def _text(value: Any) -> str:

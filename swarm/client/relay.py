@@ -10,6 +10,7 @@ a failed backward can be recomputed on another peer, and bans peers that fail. I
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
 import time
@@ -54,12 +55,14 @@ class RelayedPipeline:
         ban: Callable[[str, str], None],
         proof: str | None,
         unserved_stages: set[int],
+        served: collections.Counter[str],
     ):
         self.manifest = manifest
         self.router, self.view, self.rng = router, view, rng
         self.send, self.ban, self.proof = send, ban, proof
         self.max_elements = protocol.max_request_elements(manifest)
         self.unserved_stages = unserved_stages  # the trainer's: stages with no online peer at the last look
+        self.served = served  # the trainer's: samples each stage peer trained for it
 
     async def microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         microbatch_id = uuid.uuid4().hex
@@ -68,6 +71,7 @@ class RelayedPipeline:
         hidden = (*inputs.shape, self.manifest.model.width)  # shape of activations and their gradients
         samples = inputs.shape[0]
         hops: list[_Hop] = []
+        done_by: list[str] = []  # the peers that ran this microbatch's forward, stage by stage
         try:
             x = inputs
             for stage in range(last):
@@ -76,13 +80,15 @@ class RelayedPipeline:
                     stage, "forward", microbatch_id, [x], [hidden], deadline, hold=True
                 )
                 hops.append(_Hop(peer_id, x))
+                done_by.append(peer_id)
                 x = x_next
             expect = [(), hidden] if last else [()]  # the loss, and the gradient of the last stage's inputs
-            _, outputs = await self.call(last, "forward", microbatch_id, [x, targets], expect, deadline)
+            last_peer, outputs = await self.call(last, "forward", microbatch_id, [x, targets], expect, deadline)
             loss, grad = float(outputs[0]), outputs[-1]
             for stage in reversed(range(last)):
                 grad = await self._backward(stage, hops[stage], microbatch_id, grad, hidden, deadline)
                 self.router.finished(hops.pop().peer_id, samples)
+            self.served.update(dict.fromkeys([*done_by, last_peer], samples))
         finally:
             for hop in hops:
                 self.router.finished(hop.peer_id, samples)

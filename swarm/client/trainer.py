@@ -31,7 +31,14 @@ from swarm.coordinates import Vivaldi
 from swarm.data import TrainingStream, sample_batch
 from swarm.errors import MicrobatchFailedError, RemoteStageError
 from swarm.manifest import Manifest
-from swarm.records import SwarmView, TrainerReport, announceable, announcement_lifetime, store_trainer_report
+from swarm.records import (
+    MAX_ATTESTED_PEERS,
+    SwarmView,
+    TrainerReport,
+    announceable,
+    announcement_lifetime,
+    store_trainer_report,
+)
 from swarm.routing import ORIGIN, Router, online_peers
 from swarm.server.forwarding import BLAMELESS, MIN_BUDGET, check_reply, grace, onward_budget
 from swarm.server.stage import StageServer
@@ -82,8 +89,17 @@ class Trainer:
         self.bytes_sent = 0  # activations, gradients and tokens sent to stage peers (not counting local calls)
         self.bytes_received = 0
         self.recent: collections.deque[tuple[float, float, int]] = collections.deque()  # (time, loss, samples)
+        self.served: collections.Counter[str] = collections.Counter()  # samples each stage peer trained for us
         self.relay = RelayedPipeline(
-            manifest, self.router, self.view, self.rng, self._send, self._ban, self.proof, self.unserved_stages
+            manifest,
+            self.router,
+            self.view,
+            self.rng,
+            self._send,
+            self._ban,
+            self.proof,
+            self.unserved_stages,
+            self.served,
         )
 
     # ------------------------------------------------------------------------------------------- training
@@ -182,9 +198,11 @@ class Trainer:
                 reply = await self._send(route[0], "train", request, budget + grace(budget))
                 (loss,) = check_reply(reply, [()], self.max_elements)
                 took = time.monotonic() - begin
-                self._learn(protocol.decode_hops(reply, stages), took, samples)
+                hops = protocol.decode_hops(reply, stages)
+                self._learn(hops, took, samples)
                 if train:
                     self.window.observe(took, time.monotonic())
+                    self._attest(route[0], hops, samples)
                 return float(loss), samples
             except RemoteStageError as e:
                 last_error = e
@@ -219,6 +237,21 @@ class Trainer:
                 self.unserved_stages.add(stage)
                 logger.warning(f"no online peer serves stage {stage}; waiting for one to join")
         return [a.peer_id for a in route]
+
+    def _attest(self, first: str, hops: list[protocol.HopTiming], samples: int) -> None:
+        """Count a trained microbatch for the peers that did it: the stage-0 peer this trainer called, and the
+        later hops as the reply names them (each a different peer of the next stage; the reply comes from the
+        peers, so a dishonest stage-0 peer could name others: it cannot name itself twice)."""
+        peers = [first, *(hop.peer_id for hop in hops[1:])]
+        if len(set(peers)) == len(peers) and (not hops or hops[0].peer_id == first):
+            for peer_id in peers:
+                self.served[peer_id] += samples
+
+    def attested(self) -> tuple[tuple[str, int], ...]:
+        """What this trainer's report vouches for: the peers that served it most, at most MAX_ATTESTED_PEERS; not
+        this peer's own server (a peer vouching for itself would prove nothing)."""
+        others = collections.Counter({p: n for p, n in self.served.items() if p != self.peer_id})
+        return tuple(others.most_common(MAX_ATTESTED_PEERS))
 
     def _learn(self, hops: list[protocol.HopTiming], took: float, samples: int) -> None:
         """What a reply's hop timings say of each peer on the way: its compute, and the transfer to it from the
@@ -313,6 +346,7 @@ class Trainer:
                 samples=self.samples,
                 failed_microbatches=self.failed_microbatches,
                 maddrs=maddrs,
+                served=self.attested(),
             )
             try:
                 await store_trainer_report(self.dht, self.manifest.swarm_id, report, announcement_lifetime(period))
