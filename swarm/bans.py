@@ -33,7 +33,14 @@ class Offender:
 class Bans:
     """Bad-request counts and bans by peer id. Safe to use from the event loop and the worker thread at once."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        bad_before_ban: int = BAD_REQUESTS_BEFORE_BAN,
+        window: float = BAD_REQUEST_WINDOW,
+        first_ban: float = FIRST_BAN,
+    ) -> None:
+        # the defaults are those of stage requests; averaging's exclusions use their own (swarm/robust_allreduce.py)
+        self.bad_before_ban, self.window, self.first_ban = bad_before_ban, window, first_ban
         self._offenders: OrderedDict[str, Offender] = OrderedDict()
         self._lock = threading.Lock()
         self.total = 0  # bans given so far
@@ -52,10 +59,10 @@ class Bans:
             offender.last_seen = now
             if offender.banned_until > now:  # already banned (a request that was in flight when the ban began)
                 return 0.0
-            offender.bad_times = [t for t in offender.bad_times if now - t < BAD_REQUEST_WINDOW] + [now]
-            if len(offender.bad_times) < BAD_REQUESTS_BEFORE_BAN:
+            offender.bad_times = [t for t in offender.bad_times if now - t < self.window] + [now]
+            if len(offender.bad_times) < self.bad_before_ban:
                 return 0.0
-            length = min(FIRST_BAN * 2**offender.bans, MAX_BAN)
+            length = min(self.first_ban * 2**offender.bans, MAX_BAN)
             offender.bans += 1
             offender.banned_until = now + length
             offender.bad_times = []

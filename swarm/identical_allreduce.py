@@ -24,56 +24,34 @@ from collections.abc import AsyncIterator
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
+from hivemind.averaging.partition import BannedException, TensorPartContainer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
-# AllReduceRunner's own keyword arguments; the rest go to its TensorPartContainer
-RUNNER_ARGUMENTS = frozenset(
-    {
-        "p2p",
-        "servicer_type",
-        "prefix",
-        "group_id",
-        "tensors",
-        "weight",
-        "ordered_peer_ids",
-        "peer_fractions",
-        "modes",
-        "sender_timeout",
-        "reducer_timeout",
-    }
+from swarm.robust_aggregation import rms
+from swarm.robust_allreduce import (
+    RUNNER_ARGUMENTS,
+    AveragingExclusions,
+    ResultDistances,
+    RobustReducer,
+    install_robust_parts,
 )
 
 
-class _RememberingReducer(TensorPartReducer):
-    """hivemind's reducer, which keeps the mean of each part it reduced (this peer's own result for that part)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.means: dict[int, torch.Tensor] = {}
-
-    async def accumulate_part(
-        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
-    ) -> torch.Tensor:
-        mean = await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
-        self.means[part_index] = mean
-        return mean
-
-
-class _MeanResultContainer(TensorPartContainer):
+class _MeanResultContainer(TensorPartContainer, ResultDistances):
     """Holds the decoded means as the results (not deltas: original + (mean - original) is not always the mean in
     floating point), the mean of this peer's own parts passed through the codec like the ones it sends."""
 
     own_index: int = -1
-    reducer: _RememberingReducer | None = None
+    reducer: RobustReducer | None = None
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
         original, info = self._input_parts_by_peer[peer_index][part_index]
         if peer_index == self.own_index:  # `part` is the exact mean minus the local part: use the decoded mean
             assert self.reducer is not None
             part = deserialize_torch_tensor(self.compression.compress(self.reducer.means[part_index], info))
+        self.record_result(peer_index, rms(part.float() - original.float()))
         super().register_processed_part(peer_index, part_index, part.to(original.dtype))
 
 
@@ -81,7 +59,7 @@ class IdenticalResultAllReduce(AllReduceRunner):
     """hivemind's AllReduceRunner whose reducers send the compressed mean rather than the difference to it; it
     yields the mean of each tensor (hivemind's yields the difference to add)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, exclusions: AveragingExclusions, **kwargs):
         super().__init__(**kwargs)
         container_arguments = {k: v for k, v in kwargs.items() if k not in RUNNER_ARGUMENTS}
         # results are the means; a part whose reducer failed keeps this peer's own value
@@ -89,11 +67,8 @@ class IdenticalResultAllReduce(AllReduceRunner):
             kwargs["tensors"], kwargs["peer_fractions"], return_deltas=False, **container_arguments
         )
         container.own_index = self.ordered_peer_ids.index(self.peer_id)
-        self.tensor_part_container = container
-        self.parts_for_local_averaging = container.get_raw_input_parts(container.own_index)
-        self.tensor_part_reducer = _RememberingReducer(
-            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
-        )
+        install_robust_parts(self, container, exclusions)  # CenteredClip, and a check of every reducer's results
+        assert isinstance(self.tensor_part_reducer, RobustReducer)
         container.reducer = self.tensor_part_reducer
 
     async def _accumulate_parts_streaming(

@@ -21,7 +21,6 @@ from typing import AsyncIterator  # noqa: UP035 (hivemind detects streams by typ
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.control import AveragingStage
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -44,6 +43,7 @@ from swarm.averaging import (
 )
 from swarm.identical_allreduce import IdenticalResultAllReduce
 from swarm.manifest import AveragingConfig, Manifest
+from swarm.robust_allreduce import AveragingExclusions, RobustAllReduce, judge_round
 from swarm.secret import SwarmSecret
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,11 @@ class _Averager(DecentralizedAverager):
     def __init__(self, *args, swarm_secret: SwarmSecret | None = None, identical_results: bool = False, **kwargs):
         self.swarm_secret = swarm_secret  # set before the averager's process starts: it checks join requests
         self.identical_results = identical_results  # every peer ends with the same mean (swarm/identical_allreduce.py)
+        # partners this peer caught sending bad values (swarm/robust_allreduce.py); lives in the averager's process,
+        # which tells the peer's process how many strikes and exclusions it gave through shared memory
+        self.exclusions = AveragingExclusions()
+        self.shared_strikes = mp.Value("i", 0, lock=False)
+        self.shared_exclusions = mp.Value("i", 0, lock=False)
         # the all-reduce timeout lives in shared memory: it adapts to measured rounds after the process forked
         self._shared_allreduce_timeout = mp.Value("d", 0.0, lock=False)
         super().__init__(*args, **kwargs)
@@ -78,17 +83,22 @@ class _Averager(DecentralizedAverager):
         ):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
+        if self.exclusions.excluded(str(context.remote_id)):  # it sent bad values to our recent rounds
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
         async for response in super().rpc_join_group(request, context):
             yield response
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs) -> None:
-        # hivemind 1.1.12's method, with two changes: in diloco mode the all-reduce whose result is the same at
-        # every peer, and a round whose result is incomplete fails instead of being applied (hivemind keeps this
-        # peer's own values for the parts whose reducer was too slow or left, logs "received 72.6% results" and
-        # reports success: replicas then differ, and DiLoCo's anchors would stay apart for good)
+        # hivemind 1.1.12's method, with three changes: a robust all-reduce (swarm/robust_allreduce.py), in diloco
+        # mode one whose result is the same at every peer, and a round whose result is incomplete or poisoned fails
+        # instead of being applied (hivemind keeps this peer's own values for the parts whose reducer was too slow
+        # or left, logs "received 72.6% results" and reports success: replicas then differ, and DiLoCo's anchors
+        # would stay apart for good)
         group_id = group_info.group_id if group_id is None else group_id
-        runner_type = IdenticalResultAllReduce if self.identical_results else AllReduceRunner
+        runner_type = IdenticalResultAllReduce if self.identical_results else RobustAllReduce
         runner = runner_type(
+            exclusions=self.exclusions,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -105,6 +115,10 @@ class _Averager(DecentralizedAverager):
                 tensor.add_(result)  # the difference to the mean (averaging_alpha is 1: it is never set)
             self.last_updated = get_dht_time()
             self._state_updated.set()
+        verdict = judge_round(runner, self.exclusions)
+        self.shared_strikes.value, self.shared_exclusions.value = self.exclusions.strikes, self.exclusions.total
+        if verdict is not None:
+            raise AveragingError(verdict)
         container = runner.tensor_part_container
         if container.failed_size:
             received = 1.0 - container.failed_size / max(container.total_size, 1)
@@ -312,6 +326,16 @@ class StageAverager:
             local = p.detach().float().cpu() - self.anchor[i]
             p.copy_((anchor + local).to(p.device, p.dtype))
             self.anchor[i], self.momentum[i] = anchor.clone(), momentum.clone()
+
+    @property
+    def strikes(self) -> int:
+        """Flags this peer gave its partners for bad values (swarm/robust_allreduce.py)."""
+        return self._averager.shared_strikes.value
+
+    @property
+    def exclusions(self) -> int:
+        """Partners this peer excluded from its rounds for repeated bad values."""
+        return self._averager.shared_exclusions.value
 
     def shutdown(self) -> None:
         try:
