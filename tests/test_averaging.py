@@ -370,7 +370,9 @@ def test_a_dishonest_reducer_fails_the_round_is_excluded_and_the_honest_replicas
             future.result().neg_()  # the aggregate it sends back, in place
 
     monkeypatch.setattr(RobustReducer, "check_current_part_finished", lying)
-    attacker = _close_replicas(manifest, three[2:], first_seed=200)[0]  # its averager's process forks with the lying reducer
+    attacker = _close_replicas(manifest, three[2:], first_seed=200)[
+        0
+    ]  # its averager's process forks with the lying reducer
     monkeypatch.undo()
     replicas = [*honest, attacker]
     try:

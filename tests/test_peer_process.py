@@ -261,6 +261,9 @@ def test_trainer_survives_sigkill_of_a_replica(start_peer, write_manifest):
         assert survivor_now > survivor_at_kill
         reports = asyncio.run(fetch_trainer_reports(dht, manifest.swarm_id))
         assert any(r.peer_id == first.peer_id() and r.samples > 0 for r in reports)
+        # its signed report vouches for the stage-1 peers that trained its microbatches, never for itself
+        attested = dict(next(r for r in reports if r.peer_id == first.peer_id()).served)
+        assert attested.get(survivor_id, 0) > 0 and first.peer_id() not in attested, attested
         assert first.process.poll() is None and survivor.process.poll() is None
         assert time.monotonic() - killed_at < 30
     finally:
