@@ -15,6 +15,7 @@ import torch
 from peers import runtime
 from swarm import __version__, joining
 from swarm.checkpoint import default_checkpoint_dir
+from swarm.client.checks import CHECK_FRACTION
 from swarm.client.trainer import Trainer
 from swarm.errors import PeerStartError, SwarmError
 from swarm.events import Event, EventKind
@@ -181,9 +182,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="print status lines and events (moves, state taken, averaging rounds) as JSON, one object per line",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of the trainer's data order (default: random)")
+    parser.add_argument(
+        "--check-fraction",
+        type=float,
+        default=CHECK_FRACTION,
+        help="fraction of the trainer's microbatches sent twice, through two replicas of a stage, to catch peers that "
+        f"compute wrong results (default: {CHECK_FRACTION}; 0 turns the checks off)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.check_fraction <= 1.0:
+        parser.error("--check-fraction must be between 0 and 1")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
     if args.checkpoint_every < 0:
@@ -363,7 +373,13 @@ async def run_peer(
         reachable=args.reachable,
         maddrs=announceable(maddrs) if args.reachable else (),  # nobody can dial an unreachable peer
     )
-    training = TrainingOptions(enabled=args.trainer, data=args.data, seed=args.seed, only=args.trainer_only)
+    training = TrainingOptions(
+        enabled=args.trainer,
+        data=args.data,
+        seed=args.seed,
+        only=args.trainer_only,
+        check_fraction=args.check_fraction,
+    )
 
     def on_switch(server: StageServer) -> None:
         layers = server.layers

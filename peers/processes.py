@@ -187,9 +187,13 @@ def loopback_args(
 
 
 def start_peer(
-    args: Sequence[str], log_path: Path, cache_dir: Path | None = None, env: dict[str, str] | None = None
+    args: Sequence[str],
+    log_path: Path,
+    cache_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    module: str = "peers.peer",
 ) -> PeerProcess:
-    """Start `python -m peers.peer ARGS` in a session (process group) of its own, unbuffered, its stdout and
+    """Start `python -m peers.peer ARGS` (or another `module` with swarm-peer's flags) in a session (process group) of its own, unbuffered, its stdout and
     stderr into `log_path`; with `cache_dir`, its measured throughputs are cached there (SWARM_CACHE_DIR), not in
     the user's cache. Its own session: a Ctrl-C in a terminal reaches only the program that started it, which
     then stops it cleanly (stop_peers), and a kill takes its DHT process and p2pd daemon with it."""
@@ -198,7 +202,7 @@ def start_peer(
         environment["SWARM_CACHE_DIR"] = str(cache_dir)
     with open(log_path, "wb") as log:  # the child keeps its own copy of the file descriptor
         process = subprocess.Popen(
-            [sys.executable, "-m", "peers.peer", *args],
+            [sys.executable, "-m", module, *args],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -18,6 +18,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 
 from swarm import tokenizer_source
+from swarm.client.checks import CHECK_FRACTION
 from swarm.client.pinger import Pinger
 from swarm.client.trainer import Trainer
 from swarm.data import TokenShards, TrainingStream, open_swarm_data
@@ -43,6 +44,7 @@ class TrainingOptions:
     data: str | None = None  # a text file or folder instead of the manifest's data source
     seed: int | None = None  # of the trainer's data order; None: random
     only: bool = False  # train only, serve no stage (--trainer-only)
+    check_fraction: float = CHECK_FRACTION  # of microbatches sent twice to catch wrong results (client/checks.py)
 
 
 class Peer:
@@ -125,6 +127,7 @@ class Peer:
             traffic=self.rebalancer.traffic,
             reachable=self.serving.reachable,
             position=self.rebalancer.position,
+            check_fraction=self.training.check_fraction,
         )
         self._tasks["training"] = asyncio.create_task(self.trainer.train(stream, self._stop))
 

@@ -48,6 +48,7 @@ class PeerRecord:
     outstanding: int = 0  # samples sent to it whose work there is not finished
     failures: int = 0  # consecutive failures
     banned_until: float = 0.0
+    convicted: bool = False  # caught computing wrong results (client/checks.py): a success does not lift it
 
 
 class Router:
@@ -183,8 +184,14 @@ class Router:
         record = self.record(peer_id)
         record.failures += 1
         ban = min(BASE_BAN * 2 ** (record.failures - 1), MAX_BAN)
-        record.banned_until = now + ban
+        record.banned_until = max(record.banned_until, now + ban)  # never shortens a conviction
         return ban
+
+    def ban(self, peer_id: str, until: float) -> None:
+        """Leave the peer out of routes until `until` (a peer caught computing wrong results)."""
+        record = self.record(peer_id)
+        record.banned_until = max(record.banned_until, until)
+        record.convicted = True
 
     def is_banned(self, peer_id: str, now: float) -> bool:
         record = self.peers.get(peer_id)
@@ -192,7 +199,7 @@ class Router:
 
     def forget(self, keep: Collection[str]) -> None:
         """Drop what is known of peers no longer announced (records of peers long gone would pile up)."""
-        self.peers = {p: r for p, r in self.peers.items() if p in keep or r.outstanding > 0}
+        self.peers = {p: r for p, r in self.peers.items() if p in keep or r.outstanding > 0 or r.convicted}
         self.transfers = {k: v for k, v in self.transfers.items() if k[1] in self.peers}
 
 

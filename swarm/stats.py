@@ -74,6 +74,9 @@ class TrainerStats:
     bytes_received: int = 0
     window: int = 1  # microbatches it keeps in flight now (swarm/client/window.py)
     round_trip: float = 0.0  # recent seconds from sending a microbatch to its loss coming back
+    checks: int = 0  # microbatches sent twice to compare two replicas (swarm/client/checks.py)
+    check_disagreements: int = 0
+    convicted: tuple[str, ...] = ()  # peers it caught computing wrong results
 
     def to_dict(self) -> dict[str, Any]:
         """As the status line prints it (JSON has no NaN: None until there is a loss)."""
@@ -87,4 +90,7 @@ class TrainerStats:
             "trainer_bytes_received": self.bytes_received,
             "trainer_window": self.window,
             "trainer_round_trip": round(self.round_trip, 4),
+            "trainer_checks": self.checks,
+            "trainer_check_disagreements": self.check_disagreements,
+            "trainer_convicted": list(self.convicted),
         }

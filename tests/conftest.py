@@ -106,12 +106,14 @@ def start_peer(tmp_path):
     """start_peer(manifest_path, *flags) -> PeerProcess; every peer is killed (group-wide) at teardown."""
     started: list[PeerProcess] = []
 
-    def start(manifest_path: Path, *flags: str, cache_dir: Path | None = None) -> PeerProcess:
+    def start(
+        manifest_path: Path, *flags: str, cache_dir: Path | None = None, module: str = "peers.peer"
+    ) -> PeerProcess:
         # --duration: even a peer orphaned by a killed test run stops by itself
         args = [*processes.loopback_args(manifest_path), "--duration", "900", *flags]
         # each test measures throughput afresh: its own cache (or `cache_dir`), never the user's
         cache = cache_dir or tmp_path / "cache"
-        peer = processes.start_peer(args, tmp_path / f"peer{len(started)}.log", cache_dir=cache)
+        peer = processes.start_peer(args, tmp_path / f"peer{len(started)}.log", cache_dir=cache, module=module)
         started.append(peer)
         return peer
 

@@ -24,6 +24,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from swarm import protocol
+from swarm.client.checks import CHECK_FRACTION, CONVICTION_BAN, CheckPlan, WorkChecks
 from swarm.client.relay import NO_PEER_WAIT, RelayedPipeline
 from swarm.client.rpc import call_stage
 from swarm.client.window import AdaptiveWindow
@@ -62,6 +63,7 @@ class Trainer:
         traffic: Traffic | None = None,
         reachable: bool = True,
         position: Vivaldi | None = None,
+        check_fraction: float = CHECK_FRACTION,
     ):
         self.manifest = manifest
         self.reachable = reachable  # others can dial it: its reports carry its addresses
@@ -90,6 +92,7 @@ class Trainer:
         self.bytes_received = 0
         self.recent: collections.deque[tuple[float, float, int]] = collections.deque()  # (time, loss, samples)
         self.served: collections.Counter[str] = collections.Counter()  # samples each stage peer trained for us
+        self.checks = WorkChecks(check_fraction)  # microbatches sent twice to find peers that compute wrong results
         self.relay = RelayedPipeline(
             manifest,
             self.router,
@@ -193,6 +196,8 @@ class Trainer:
             )
             for peer_id in route:
                 self.router.started(peer_id, samples)
+            plan = self.checks.plan(route, await self._online_ids(), self.rng) if train else None
+            check = asyncio.create_task(self._check_copy(plan, inputs, targets, budget)) if plan else None
             begin = time.monotonic()
             try:
                 reply = await self._send(route[0], "train", request, budget + grace(budget))
@@ -203,6 +208,10 @@ class Trainer:
                 if train:
                     self.window.observe(took, time.monotonic())
                     self._attest(route[0], hops, samples)
+                if check is not None and plan is not None:
+                    other_loss, check = await check, None
+                    if other_loss is not None:
+                        self._judge(plan, float(loss), other_loss)
                 return float(loss), samples
             except RemoteStageError as e:
                 last_error = e
@@ -219,6 +228,47 @@ class Trainer:
             finally:
                 for peer_id in route:
                     self.router.finished(peer_id, samples)
+                if check is not None:  # the microbatch failed: its check means nothing
+                    check.cancel()
+
+    async def _online_ids(self) -> list[list[str]]:
+        now = get_dht_time()
+        return [[a.peer_id for a in online_peers(anns, now)] for anns in await self.view.all_stages()]
+
+    async def _check_copy(
+        self, plan: CheckPlan, inputs: torch.Tensor, targets: torch.Tensor, budget: float
+    ) -> float | None:
+        """The check's copy of a microbatch, an ordinary training microbatch through the other route; its loss, or
+        None if it failed (a failure says nothing of honesty: the usual bans handle it)."""
+        request = protocol.make_request(
+            self.manifest,
+            0,
+            uuid.uuid4().hex,
+            [inputs, targets],
+            train=True,
+            proof=self.proof,
+            route=list(plan.other_route[1:]),
+            budget=budget,
+        )
+        try:
+            reply = await self._send(plan.other_route[0], "train", request, budget + grace(budget))
+            (loss,) = check_reply(reply, [()], self.max_elements)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.debug(f"a check's copy failed: {e!r}")
+            return None
+        self._attest(plan.other_route[0], protocol.decode_hops(reply, self.manifest.num_stages), inputs.shape[0])
+        return float(loss)
+
+    def _judge(self, plan: CheckPlan, loss: float, other_loss: float) -> None:
+        for peer_id in self.checks.record(plan, loss, other_loss):
+            self.router.ban(peer_id, time.monotonic() + CONVICTION_BAN)
+            logger.warning(
+                f"peer {peer_id[-8:]} of stage {plan.stage} computes wrong results (its losses disagreed with "
+                f"{len(self.checks.disagreed.get(peer_id, ()))} peers that agree with others): left out of routes "
+                f"for {CONVICTION_BAN / 60:.0f} minutes"
+            )
 
     async def _route(self, samples: int, tried: set[str]) -> list[str]:
         """The route expected to finish soonest (swarm/routing.py); it stops before a stage without peers (a hop
@@ -324,6 +374,9 @@ class Trainer:
             bytes_received=self.bytes_received,
             window=self.window.size,
             round_trip=self.window.recent or 0.0,
+            checks=self.checks.checks,
+            check_disagreements=self.checks.disagreements,
+            convicted=tuple(sorted(self.checks.convicted)),
         )
 
     async def _report_forever(self) -> None:
