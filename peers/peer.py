@@ -24,10 +24,11 @@ from swarm.manifest import Manifest
 from swarm.manifest_loading import write_manifest
 from swarm.peer import Peer, TrainingOptions
 from swarm.records import MAX_THROUGHPUT, announceable
-from swarm.server.reachability import check_reachability
+from swarm.server.reachability import Verdict, check_reachability
 from swarm.server.rebalancer import Rebalancer
 from swarm.server.stage import ServingOptions, StageServer
 from swarm.signing import IdentityKey
+from swarm.startup_cache import StartupCache, reachability_key
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
 
 logger = logging.getLogger("swarm-peer")
@@ -249,10 +250,14 @@ def main(argv: list[str] | None = None) -> int:
             check_stage_flag(args, manifest)
         initial_peers = [] if args.new_swarm else joining.bootstrap_peers(args.join, manifest)
         identity_path = Path(args.identity).expanduser() if args.identity else None
+        startup = StartupCache()  # answers of earlier starts on this machine (swarm/startup_cache.py)
         if identity_path is not None:
             own_id, identity = claim_identity(identity_path)
-            # asked with its own address among the initial peers: a live peer there with this id is a twin
-            if asyncio.run(identity_taken(identity_path, initial_peers)):
+            # asked with its own address among the initial peers: a live peer there with this id is a twin (not
+            # asked when this identity last ran on this machine: the lock rules out a twin here)
+            if not startup.identity_ran_here(identity_path) and asyncio.run(
+                identity_taken(identity_path, initial_peers)
+            ):
                 raise PeerStartError(
                     f"--identity {identity_path}: a peer with this id ({own_id}) is already in the swarm; two peers "
                     "cannot share an identity: stop the other one, or give this peer its own file"
@@ -261,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         signing_key = IdentityKey.from_file(identity_path) if identity_path is not None else IdentityKey.generate()
         if not initial_peers and not args.new_swarm:
             print("the manifest lists no initial peers: starting a new swarm", flush=True)
-        args.reachable = decide_reachability(args, initial_peers, host_maddrs, manifest)
+        args.reachable = decide_reachability(args, initial_peers, host_maddrs, manifest, startup)
         sockets_before = joining.daemon_sockets()
         dht = joining.start_dht(
             initial_peers,
@@ -273,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             secret=manifest.secret if manifest is not None else None,
             identity=signing_key,
         )
+        if identity_path is not None:
+            startup.remember_identity(identity_path)
         device = runtime.resolve_device(args.device)
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -298,15 +305,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def decide_reachability(
-    args: argparse.Namespace, initial_peers: list[str], host_maddrs: list[str], manifest: Manifest | None
+    args: argparse.Namespace,
+    initial_peers: list[str],
+    host_maddrs: list[str],
+    manifest: Manifest | None,
+    startup: StartupCache,
 ) -> bool:
-    """Whether other peers can dial this one: ask a few of them to dial it back (before the DHT starts)."""
+    """Whether other peers can dial this one: ask a few of them to dial it back (before the DHT starts), unless a
+    start within the last hour with the same fixed addresses found out already."""
     if args.no_listen:
         print("--no-listen: others cannot dial this peer; it opens connections to them instead", flush=True)
         return False
+    key = reachability_key(host_maddrs, args.announce_maddrs)
+    cached = startup.reachability(key) if initial_peers else None
     started = time.monotonic()
-    verdict = asyncio.run(check_reachability(initial_peers, host_maddrs, args.announce_maddrs, manifest))
-    took = f"checked in {time.monotonic() - started:.1f} s"
+    if cached is not None:
+        verdict, took = Verdict(*cached), "as found by a start within the last hour with these addresses"
+    else:
+        verdict = asyncio.run(check_reachability(initial_peers, host_maddrs, args.announce_maddrs, manifest))
+        took = f"checked in {time.monotonic() - started:.1f} s"
+        if verdict.reachable is not None:
+            startup.remember_reachability(key, verdict.reachable, verdict.detail)
     if verdict.reachable is False:
         print(
             f"this peer is NOT reachable from other peers: {verdict.detail} ({took}). It takes part anyway: it opens "
