@@ -10,7 +10,7 @@ one bad replica of three cannot move outside the honest values) and clips each c
 centre at TAU_FACTOR times the median distance.
 
 What one bad contribution can do, per part and round: move the result by at most its weight share (weights are
-capped at MAX_WEIGHT_RATIO times the median weight) times the clipping radius, a small multiple of how far honest
+capped at the median weight) times the clipping radius, a small multiple of how far honest
 replicas are apart; a contribution farther than OUTLIER_FACTOR times the median distance from the result is
 flagged (the averager excludes its sender after repeated flags, swarm/robust_allreduce.py).
 """
@@ -25,9 +25,10 @@ import torch
 
 TAU_FACTOR = 2.0  # clipping radius, in median distances to the coordinate-wise median
 CLIP_ITERATIONS = 3
-MAX_WEIGHT_RATIO = 2.0  # a contribution weighs at most this many times the median weight (weights are claimed)
+MAX_WEIGHT_RATIO = 1.0  # a contribution weighs at most the median weight (weights are claimed; benchmarks/poisoning.py:
+# at twice the median, a sign-flipped replica that was not yet flagged pulled its rounds 40% of the radius its way)
 OUTLIER_FACTOR = 5.0  # farther than this many median distances from the result: flagged
-RESULT_FACTOR = 4.0  # a reduced part farther than this from a peer's own part (in its reference distances): flagged
+RESULT_FACTOR = 2.0  # a reduced part farther than this from a peer's own part (in its reference distances): flagged
 MIN_RMS = 1e-7  # per-element distances below this are treated as this (replicas that are all but equal)
 
 
@@ -45,10 +46,14 @@ def rms(tensor: torch.Tensor) -> float:
     return float(tensor.double().square().mean().sqrt()) if tensor.numel() else 0.0
 
 
+def _plain_weights(weights: Sequence[float]) -> torch.Tensor:
+    return torch.tensor([max(float(x), 0.0) if math.isfinite(x) else 0.0 for x in weights], dtype=torch.float64)
+
+
 def capped_weights(weights: Sequence[float]) -> torch.Tensor:
     """The weights as CenteredClip uses them: none above MAX_WEIGHT_RATIO times the median (a replica that claims
-    a million samples counts as two median replicas at most), none below zero."""
-    w = torch.tensor([max(float(x), 0.0) if math.isfinite(x) else 0.0 for x in weights], dtype=torch.float64)
+    a million samples counts as a median one), none below zero."""
+    w = _plain_weights(weights)
     positive = w[w > 0]
     if positive.numel() == 0:
         return torch.ones_like(w)
@@ -76,7 +81,8 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> Pa
     finite = [bool(torch.isfinite(p).all()) for p in parts]
     kept = [i for i, ok in enumerate(finite) if ok] or list(range(len(parts)))
     stacked = torch.stack([parts[i].float() for i in kept])
-    w = capped_weights([weights[i] for i in kept]).to(torch.float32)
+    # with two, nothing can tell which is wrong: their claimed weights stand (as in the plain weighted mean)
+    w = (capped_weights if len(kept) > 2 else _plain_weights)([weights[i] for i in kept]).to(torch.float32)
     if w.sum() <= 0:
         w = torch.ones_like(w)
     shape = (-1,) + (1,) * (stacked.dim() - 1)

@@ -10,9 +10,9 @@ member and sends back the result. Two things can go wrong with a dishonest membe
   own part, against how far its own part was from the aggregates it computed itself; a result too far away fails
   the round at this peer (nothing is applied) and flags the reducer.
 
-A flagged peer gets a strike (`AveragingExclusions`); STRIKES_TO_EXCLUDE strikes within STRIKE_WINDOW seconds
-exclude it from this peer's rounds for FIRST_EXCLUSION seconds, twice as long each further time: a group this
-peer leads does not admit it, and in a group someone else leads its contributions are dropped here. Excluded
+A flagged peer gets a strike (`AveragingExclusions`): from then on, for STRIKE_WINDOW seconds, this peer's reducer
+leaves its contributions out; STRIKES_TO_EXCLUDE strikes within STRIKE_WINDOW seconds exclude it from this peer's
+rounds for FIRST_EXCLUSION seconds, twice as long each further time: a group this peer leads does not admit it. Excluded
 peers are decided by each peer alone, from what it saw itself: nobody can get an honest peer excluded by saying so.
 
 Only hivemind 1.1.12's reducer accumulation and the containers' result registration change here; matchmaking,
@@ -30,7 +30,7 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer, TensorPartReducer
 
 from swarm.bans import Bans
-from swarm.robust_aggregation import rms, robust_aggregate, suspicious_result
+from swarm.robust_aggregation import OUTLIER_FACTOR, rms, robust_aggregate, suspicious_result
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,11 @@ class AveragingExclusions(Bans):
 
     def excluded(self, peer_id: str) -> bool:
         return self.banned_for(peer_id, time.monotonic()) > 0
+
+    def distrusted(self, peer_id: str) -> bool:
+        """Excluded, or flagged once within STRIKE_WINDOW: its contributions are left out of this peer's aggregates
+        (a false flag costs an honest peer one round's say at one reducer; a true one stops the harm at once)."""
+        return self.recently_bad(peer_id, time.monotonic())
 
 
 class RobustReducer(TensorPartReducer):
@@ -110,6 +115,11 @@ class RobustReducer(TensorPartReducer):
             sender = used[position][0]
             ratio = verdict.distances[position] / max(verdict.median_distance, 1e-30)
             self.flagged[sender] = max(self.flagged.get(sender, 0.0), ratio)
+        for sender, part, _ in self.contributions:  # left out, but still judged: a repeat offender is excluded
+            if (sender, part) not in [(c[0], c[1]) for c in used] and len(used) >= 2:
+                ratio = rms(part.float() - verdict.aggregate) / max(verdict.median_distance, 1e-30)
+                if not ratio <= OUTLIER_FACTOR:
+                    self.flagged[sender] = max(self.flagged.get(sender, 0.0), ratio)
         if len(used) >= 2:  # a part only this peer contributed to says nothing of how far replicas are apart
             # the farthest contribution not flagged: an honest reducer's aggregate lies among the contributions, so
             # no farther from ours than about twice this (a median could be 0 when two contributions coincide)
@@ -182,7 +192,7 @@ def install_robust_parts(
     runner.parts_for_local_averaging = container.get_raw_input_parts(own_index)
     senders = [str(peer_id) for peer_id in runner.sender_peer_ids]
     own_sender = senders.index(str(runner.peer_id)) if str(runner.peer_id) in senders else None
-    excluded = {index for index, peer_id in enumerate(senders) if exclusions.excluded(peer_id)}
+    excluded = {index for index, peer_id in enumerate(senders) if exclusions.distrusted(peer_id)}
     runner.tensor_part_reducer = RobustReducer(
         tuple(part.shape for part in runner.parts_for_local_averaging), len(senders), own_sender, excluded
     )
