@@ -28,7 +28,7 @@ CLIP_ITERATIONS = 3
 MAX_WEIGHT_RATIO = 1.0  # a contribution weighs at most the median weight (weights are claimed; benchmarks/poisoning.py:
 # at twice the median, a sign-flipped replica that was not yet flagged pulled its rounds 40% of the radius its way)
 OUTLIER_FACTOR = 5.0  # farther than this many median distances from the result: flagged
-RESULT_FACTOR = 2.0  # a reduced part farther than this from a peer's own part (in its reference distances): flagged
+RESULT_FACTOR = 4.0  # a reduced part farther than this from a peer's own part (in its reference distances): flagged
 MIN_RMS = 1e-7  # per-element distances below this are treated as this (replicas that are all but equal)
 
 
@@ -81,7 +81,7 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> Pa
     finite = [bool(torch.isfinite(p).all()) for p in parts]
     kept = [i for i, ok in enumerate(finite) if ok] or list(range(len(parts)))
     stacked = torch.stack([parts[i].float() for i in kept])
-    # with two, nothing can tell which is wrong: their claimed weights stand (as in the plain weighted mean)
+    # with two, nothing can tell which is wrong: their weights stand (the reducer caps them against the whole group)
     w = (capped_weights if len(kept) > 2 else _plain_weights)([weights[i] for i in kept]).to(torch.float32)
     if w.sum() <= 0:
         w = torch.ones_like(w)

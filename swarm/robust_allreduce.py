@@ -10,9 +10,12 @@ member and sends back the result. Two things can go wrong with a dishonest membe
   own part, against how far its own part was from the aggregates it computed itself; a result too far away fails
   the round at this peer (nothing is applied) and flags the reducer.
 
-A flagged peer gets a strike (`AveragingExclusions`): from then on, for STRIKE_WINDOW seconds, this peer's reducer
-leaves its contributions out; STRIKES_TO_EXCLUDE strikes within STRIKE_WINDOW seconds exclude it from this peer's
-rounds for FIRST_EXCLUSION seconds, twice as long each further time: a group this peer leads does not admit it. Excluded
+A flagged peer gets a strike (`AveragingExclusions`); STRIKES_TO_EXCLUDE strikes within STRIKE_WINDOW seconds
+exclude it from this peer's rounds for FIRST_EXCLUSION seconds, twice as long each further time: a group this
+peer leads does not admit it, and in a group someone else leads this peer's reducer leaves its contributions out
+(still measuring them, so that a repeat offender stays excluded). Leaving a peer out after its first strike was
+tried and dropped: one false flag then pulled the honest replicas apart, which made more flags
+(benchmarks/poisoning.py, docs/BENCHMARKS.md). Excluded
 peers are decided by each peer alone, from what it saw itself: nobody can get an honest peer excluded by saying so.
 
 Only hivemind 1.1.12's reducer accumulation and the containers' result registration change here; matchmaking,
@@ -30,7 +33,7 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer, TensorPartReducer
 
 from swarm.bans import Bans
-from swarm.robust_aggregation import OUTLIER_FACTOR, rms, robust_aggregate, suspicious_result
+from swarm.robust_aggregation import OUTLIER_FACTOR, capped_weights, rms, robust_aggregate, suspicious_result
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +59,6 @@ class AveragingExclusions(Bans):
 
     def excluded(self, peer_id: str) -> bool:
         return self.banned_for(peer_id, time.monotonic()) > 0
-
-    def distrusted(self, peer_id: str) -> bool:
-        """Excluded, or flagged once within STRIKE_WINDOW: its contributions are left out of this peer's aggregates
-        (a false flag costs an honest peer one round's say at one reducer; a true one stops the harm at once)."""
-        return self.recently_bad(peer_id, time.monotonic())
 
 
 class RobustReducer(TensorPartReducer):
@@ -110,7 +108,13 @@ class RobustReducer(TensorPartReducer):
         if self.current_part_accumulated_from != self.num_current_senders:
             return
         used = [c for c in self.contributions if c[0] not in self.excluded_senders] or self.contributions
-        verdict = robust_aggregate([part for _, part, _ in used], [weight for _, _, weight in used])
+        # weights are capped against every contribution's (with excluded ones left out, two may remain, one of them
+        # claiming a million)
+        weights = capped_weights([weight for _, _, weight in self.contributions]).tolist()
+        if len(self.contributions) <= 2:
+            weights = [weight for _, _, weight in self.contributions]
+        by_sender = {c[0]: w for c, w in zip(self.contributions, weights)}
+        verdict = robust_aggregate([part for _, part, _ in used], [by_sender[sender] for sender, _, _ in used])
         for position in verdict.outliers:
             sender = used[position][0]
             ratio = verdict.distances[position] / max(verdict.median_distance, 1e-30)
@@ -192,7 +196,7 @@ def install_robust_parts(
     runner.parts_for_local_averaging = container.get_raw_input_parts(own_index)
     senders = [str(peer_id) for peer_id in runner.sender_peer_ids]
     own_sender = senders.index(str(runner.peer_id)) if str(runner.peer_id) in senders else None
-    excluded = {index for index, peer_id in enumerate(senders) if exclusions.distrusted(peer_id)}
+    excluded = {index for index, peer_id in enumerate(senders) if exclusions.excluded(peer_id)}
     runner.tensor_part_reducer = RobustReducer(
         tuple(part.shape for part in runner.parts_for_local_averaging), len(senders), own_sender, excluded
     )
