@@ -259,6 +259,7 @@ class Trainer:
             logger.debug(f"a check's copy failed: {e!r}")
             return None
         self._attest(plan.other_route[0], protocol.decode_hops(reply, self.manifest.num_stages), inputs.shape[0])
+        self.samples += inputs.shape[0]  # trained like any other: the stages' counts and the trainer's agree
         return float(loss)
 
     def _judge(self, plan: CheckPlan, loss: float, other_loss: float) -> None:
