@@ -28,7 +28,10 @@ def test_swarm_trains_through_a_bootstrap_kill_and_a_stall(tmp_path):
     torch.set_num_threads(1)  # as the benchmark does: the peers need the cores more than the trainers
     try:
         # the logs of the peers and trainers stay in tmp_path when an assertion fails
-        summary = churn.benchmark(churn.parse_args(["--quick", "--runs", "faults", "--keep-logs"]), tmp_path)
+        # 9,600 samples, not the quick run's 4,800: on an idle machine 4,800 were trained (9 s) before the first
+        # fault could fire (a peer must have served for a checkpoint interval, 10 s, before a fault hits it)
+        args = churn.parse_args(["--quick", "--samples", "9600", "--runs", "faults", "--keep-logs"])
+        summary = churn.benchmark(args, tmp_path)
     finally:
         torch.set_num_threads(threads)
     settings, run = summary["settings"], summary["faults"]
