@@ -69,13 +69,6 @@ class Bans:
             self.total += 1
             return length
 
-    def recently_bad(self, peer_id: str, now: float) -> bool:
-        """Whether the peer is banned, or sent a bad request within the window."""
-        offender = self._offenders.get(peer_id)
-        if offender is None:
-            return False
-        return offender.banned_until > now or any(now - t < self.window for t in offender.bad_times)
-
     def banned_for(self, peer_id: str, now: float) -> float:
         """Seconds left of the peer's ban; 0.0 if it is not banned."""
         offender = self._offenders.get(peer_id)

@@ -215,3 +215,11 @@ def test_new_swarm_needs_a_manifest_file_to_write(capsys):
     code, out = in_process("peers.peer", ["--join", "http://127.0.0.1:9/swarm.json", "--new-swarm"], capsys)
     assert code == 2 and "--new-swarm writes this peer's addresses into the manifest" in out
     assert "Traceback" not in out
+
+
+def test_a_check_fraction_outside_0_to_1_is_refused(capsys):
+    for value in ("-0.1", "1.5", "nan"):
+        code, out = in_process("peers.peer", ["--join", "m.json", "--check-fraction", value], capsys)
+        assert code == 2 and "--check-fraction must be between 0 and 1" in out, (value, out)
+    code, _ = in_process("peers.peer", ["--join", "m.json", "--check-fraction", "0"], capsys)
+    assert code is None  # 0 turns the checks off
