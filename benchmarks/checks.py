@@ -3,14 +3,16 @@ catch a dishonest one.
 
     python benchmarks/checks.py [--seconds 90] [--check-fraction 0.05]
 
-A swarm of the tiny test model on loopback: stage 0 served by three peers, stage 1 by one, and a trainer-only
-peer that trains through them (so it can be restarted with other flags while the stage peers stay). Phases:
+A swarm of the tiny test model on loopback: each of its two stages served by three peers, and a trainer-only peer
+that trains through them (so it can be restarted with other flags while the stage peers stay). Phases:
 
 1. the trainer without checks (`--check-fraction 0`), `--seconds`: its samples per second;
 2. with checks (`--check-fraction`), `--seconds`, all peers honest: samples per second (the checks' cost),
    checks made, disagreements, and honest peers convicted (false positives);
 3. a dishonest stage-0 peer joins (tests/adversaries/dishonest_peer.py: shuffled activations): seconds from its
-   start until the trainer convicts it, and the checks and disagreements meanwhile.
+   start until the trainer convicts it, and the checks and disagreements meanwhile;
+4. then a stage-1 peer that sends back wrong gradients joins (tests/adversaries/wrong_gradients_peer.py: true
+   losses, shuffled gradients): the same figures.
 
 Prints one JSON line.
 """
@@ -67,7 +69,7 @@ def main() -> None:
         raw["initial_peers"] = [first.maddr()]
         path = work / "swarm.json"
         path.write_text(json.dumps(raw))
-        for name, stage in (("stage0-b", 0), ("stage0-c", 0), ("stage1", 1)):
+        for name, stage in (("stage0-b", 0), ("stage0-c", 0), ("stage1-a", 1), ("stage1-b", 1), ("stage1-c", 1)):
             peer = processes.start_peer(
                 processes.loopback_args(path, stage, trainer=False), work / f"{name}.log", cache
             )
@@ -87,28 +89,33 @@ def main() -> None:
         trainer = processes.start_peer([*checking, "--status-every", "1"], work / "t2.log", cache_dir=cache)
         started.append(trainer)
         trainer.wait_for_json(lambda line: (line.get("trainer_samples") or 0) > 0, timeout=120, what="training")
-        joined = time.monotonic()
-        liar = processes.start_peer(
-            processes.loopback_args(path, 0, trainer=False),
-            work / "liar.log",
-            cache,
-            module="tests.adversaries.dishonest_peer",
-        )
-        started.append(liar)
-        liar_id = liar.peer_id()
-        liar.wait_for(r"serving stage \d", timeout=120)
-        serving = time.monotonic()
-        line = trainer.wait_for_json(
-            lambda line: liar_id in line.get("trainer_convicted", []), timeout=DETECTION_TIMEOUT, what="conviction"
-        )
-        convicted = time.monotonic()
-        detection = {
-            "seconds_from_start": round(convicted - joined, 1),
-            "seconds_from_serving": round(convicted - serving, 1),
-            "checks": line["trainer_checks"],
-            "disagreements": line["trainer_check_disagreements"],
-            "honest_convicted": [p for p in line["trainer_convicted"] if p in honest_ids],
-        }
+        detection = {}
+        for kind, stage, module in (
+            ("outputs", 0, "tests.adversaries.dishonest_peer"),
+            ("gradients", 1, "tests.adversaries.wrong_gradients_peer"),
+        ):
+            before = trainer.status_lines()[-1]
+            joined = time.monotonic()
+            liar = processes.start_peer(
+                processes.loopback_args(path, stage, trainer=False), work / f"liar-{kind}.log", cache, module=module
+            )
+            started.append(liar)
+            liar_id = liar.peer_id()
+            liar.wait_for(r"serving stage \d", timeout=120)
+            serving = time.monotonic()
+            line = trainer.wait_for_json(
+                lambda line: liar_id in line.get("trainer_convicted", []),  # noqa: B023 (awaited here)
+                timeout=DETECTION_TIMEOUT,
+                what="conviction",
+            )
+            convicted = time.monotonic()
+            detection[kind] = {
+                "seconds_from_start": round(convicted - joined, 1),
+                "seconds_from_serving": round(convicted - serving, 1),
+                "checks": line["trainer_checks"] - before["trainer_checks"],
+                "disagreements": line["trainer_check_disagreements"] - before["trainer_check_disagreements"],
+                "honest_convicted": [p for p in line["trainer_convicted"] if p in honest_ids],
+            }
         cost = 1 - checked["samples_per_second"] / max(unchecked["samples_per_second"], 1e-9)
         print(
             json.dumps(

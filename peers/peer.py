@@ -27,7 +27,7 @@ from swarm.records import MAX_THROUGHPUT, announceable
 from swarm.server.reachability import Verdict, check_reachability
 from swarm.server.rebalancer import Rebalancer
 from swarm.server.stage import ServingOptions, StageServer
-from swarm.signing import IdentityKey
+from swarm.signing import IdentityKey, rejected_records_soon
 from swarm.startup_cache import StartupCache, reachability_key
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
 
@@ -422,7 +422,7 @@ async def run_peer(
                 f"({peer.data.folder}), in an order of this peer's own",
                 flush=True,
             )
-        started = time.monotonic()
+        started, refused = time.monotonic(), 0
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=args.status_every)
@@ -432,14 +432,18 @@ async def run_peer(
                 peer.check()  # surface a crash
             if args.duration is not None and time.monotonic() - started >= args.duration:
                 stop.set()
-            print_progress(peer.rebalancer, peer.trainer, args.json)
+            try:
+                refused = await asyncio.wait_for(rejected_records_soon(dht), timeout=2.0)
+            except Exception:  # the DHT's process is busy or stopping: the last count stands
+                pass
+            print_progress(peer.rebalancer, peer.trainer, args.json, refused)
     finally:
         await peer.shutdown()
         print("stopped cleanly", flush=True)
     return 0
 
 
-def print_progress(rebalancer: Rebalancer, trainer: Trainer | None, as_json: bool) -> None:
+def print_progress(rebalancer: Rebalancer, trainer: Trainer | None, as_json: bool, refused_records: int = 0) -> None:
     server = rebalancer.server
     stats = server.stats() if server is not None else None  # None: a --trainer-only peer
     trainer_stats = trainer.stats() if trainer is not None else None
@@ -447,6 +451,7 @@ def print_progress(rebalancer: Rebalancer, trainer: Trainer | None, as_json: boo
         status = {**stats.to_dict(), "moves": rebalancer.moves} if stats is not None else {"stage": None}
         if trainer_stats is not None:
             status.update(trainer_stats.to_dict())
+        status["refused_records"] = refused_records
         print(json.dumps(status), flush=True)
         return
     if stats is None:
@@ -459,6 +464,10 @@ def print_progress(rebalancer: Rebalancer, trainer: Trainer | None, as_json: boo
         line += f", averaged {stats.averaging_rounds} rounds"
         if stats.averaging_rounds_failed:
             line += f" ({stats.averaging_rounds_failed} skipped)"
+    if stats is not None and stats.averaging_exclusions:
+        line += f", excluded {stats.averaging_exclusions} partners for far-off values"
+    if refused_records:
+        line += f", refused {refused_records} unsigned or forged records"
     if trainer_stats is not None:
         loss = trainer_stats.loss
         shown_loss = f"{loss:.3f}" if loss == loss else "-"  # NaN until the first microbatch completes

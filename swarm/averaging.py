@@ -59,16 +59,43 @@ class RoundProgress:
 
     round: int
     samples: int  # samples it processed since the round began
-    rate: float  # samples per second it has been delivering
+    rate: float  # samples per second it added between its last two announcements (ProgressSeen)
     age: float  # seconds since it announced this
     peer_id: str = ""
 
 
-def swarm_samples_in_round(my_round: int, my_samples: int, others: Iterable[RoundProgress]) -> float:
+@dataclass(frozen=True)
+class ProgressSeen:
+    """The last announcement of a peer's round progress that this peer read, and the rate it implies."""
+
+    round: int
+    samples: int
+    announced_at: float
+    rate: float = 0.0  # samples per second between its last two announcements of the same round; 0 if unknown
+
+
+def progress_seen(seen: ProgressSeen | None, round_: int, samples: int, announced_at: float) -> ProgressSeen:
+    """What a peer's latest announcement says of its pace. The rate is the samples it added between two
+    announcements of the same round, not its announced delivered throughput: that is an average over half a
+    minute, and a peer whose trainers left would go on counting (and trigger rounds nobody trained for) for a
+    minute after. Until two announcements of a round are seen the rate is 0: a round is due a little later, never
+    too early."""
+    if seen is not None and announced_at <= seen.announced_at:  # the same record again, or an older replica
+        return seen
+    if seen is None or seen.round != round_ or samples < seen.samples:
+        return ProgressSeen(round_, samples, announced_at)
+    return ProgressSeen(round_, samples, announced_at, (samples - seen.samples) / (announced_at - seen.announced_at))
+
+
+def swarm_samples_in_round(
+    my_round: int, my_samples: int, others: Iterable[RoundProgress], horizon: float = math.inf
+) -> float:
     """Samples the stage has processed across the swarm since round `my_round` began: ours exactly, the others'
-    as announced plus what they served since (rate x age), so that all peers see a round due at about the same
-    time. Peers that announce another round number are not counted: their counts belong to another round."""
-    return my_samples + sum(o.samples + o.rate * max(o.age, 0.0) for o in others if o.round == my_round)
+    as announced plus what they served since (rate x age, for at most `horizon` seconds: a live peer announces
+    again within its announce period, so one that is later may be gone, and a gone peer's pace must not make a
+    round due), so that all peers see a round due at about the same time. Peers that announce another round
+    number are not counted: their counts belong to another round."""
+    return my_samples + sum(o.samples + o.rate * min(max(o.age, 0.0), horizon) for o in others if o.round == my_round)
 
 
 def current_round(my_round: int, others: Iterable[RoundProgress]) -> int:

@@ -35,6 +35,7 @@ from swarm.client.trainer import Trainer
 from swarm.errors import PeerStartError
 from swarm.records import PeerState
 from swarm.server.rebalancer import Rebalancer
+from swarm.signing import rejected_records
 from swarm.throughput import device_name
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,16 @@ class PeerCollector(Collector):
         )
         f.families[info.name] = info
         f.gauge("swarm_peer_uptime_seconds", "Seconds since this peer started", time.monotonic() - rebalancer.started)
+        try:  # (the scrape's thread may wait on the DHT's process; the event loop must not)
+            refused = rejected_records(rebalancer.dht)
+        except Exception as e:  # the DHT process is gone (the peer is stopping)
+            logger.debug(f"metrics scrape: could not count refused records: {e!r}")
+        else:
+            f.counter(
+                "swarm_records_refused_total",
+                "DHT records this peer's node refused for a bad or missing signature (forgeries, or older peers)",
+                refused,
+            )
 
     def _live(self) -> list[Metric]:
         f = _Families(self.identity)
@@ -239,6 +250,18 @@ class PeerCollector(Collector):
             f.counter("swarm_errors_total", errors_doc, stats.busy_replies, kind="busy", stage=stage)
             f.counter("swarm_errors_total", errors_doc, stats.banned_replies, kind="banned", stage=stage)
             f.counter("swarm_stage_bans_total", "Peers this peer banned for bad requests", stats.bans, stage=stage)
+            f.counter(
+                "swarm_stage_averaging_strikes_total",
+                "Flags this peer gave averaging partners whose values were far from the round's robust aggregate",
+                stats.averaging_strikes,
+                stage=stage,
+            )
+            f.counter(
+                "swarm_stage_averaging_exclusions_total",
+                "Averaging partners this peer excluded from its rounds for repeated far-off values",
+                stats.averaging_exclusions,
+                stage=stage,
+            )
             f.counter(
                 "swarm_errors_total",
                 errors_doc,

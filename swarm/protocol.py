@@ -13,7 +13,9 @@ Backward reply:    [grad_inputs], or no tensor on stage 0 (its inputs are tokens
 Train request:     (stage-to-stage forwarding, server/forwarding.py) tensors [inputs, targets]; metadata also
                    {route: peer ids of the later stages, budget: seconds to reply}.
 Train reply:       [loss] on stage 0, [loss, grad_inputs] on other stages (only [loss] when not training);
-                   metadata {hops: [[peer id, compute seconds, total seconds], ...]}, this hop first.
+                   metadata {hops: [[peer id, compute seconds, total seconds, gradient print], ...]}, this
+                   hop first; a hop before the last adds the fingerprint of the gradient its next hop sent back
+                   (client/checks.py: a few numbers that checked work compares).
 Error reply:       no tensors; metadata {error: message, code: bad_request | busy | banned |
                    unknown_microbatch | wrong_stage | internal | downstream_failed | duplicate | too_late | overflow}.
 
@@ -272,6 +274,19 @@ class HopTiming:
     peer_id: str
     compute: float
     total: float
+    gradient_print: tuple[float, ...] = ()  # of the gradient the next hop sent back (none on the last hop)
+
+
+MAX_PRINT = 16
+
+
+def _gradient_print(value: object) -> tuple[float, ...]:
+    """A hop's gradient fingerprint, or () when it is missing or malformed (then nothing is compared)."""
+    if not isinstance(value, list) or len(value) > MAX_PRINT:
+        return ()
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return ()
+    return tuple(float(v) for v in value)
 
 
 def decode_hops(reply: runtime_pb2.ExpertResponse, most: int) -> list[HopTiming]:
@@ -282,13 +297,17 @@ def decode_hops(reply: runtime_pb2.ExpertResponse, most: int) -> list[HopTiming]
         if not isinstance(hops, list) or len(hops) > most:
             return []
         timings = []
-        for peer_id, compute, total in hops:
+        for hop in hops:
+            if not isinstance(hop, list) or len(hop) not in (3, 4):
+                return []
+            peer_id, compute, total = hop[:3]
             numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (compute, total))
             if not (isinstance(peer_id, str) and 0 < len(peer_id) <= MAX_PEER_ID and numbers):
                 return []
             if not (0 <= compute <= total <= 1e6):
                 return []
-            timings.append(HopTiming(peer_id, float(compute), float(total)))
+            fingerprint = _gradient_print(hop[3]) if len(hop) == 4 else ()
+            timings.append(HopTiming(peer_id, float(compute), float(total), fingerprint))
         return timings
     except Exception:
         return []

@@ -232,3 +232,8 @@ async def _count_rejected(_dht: DHT, node: Any) -> int:
 def rejected_records(dht: DHT) -> int:
     """How many records this node's DHT refused for a bad or missing signature since it started."""
     return int(dht.run_coroutine(_count_rejected))
+
+
+async def rejected_records_soon(dht: DHT) -> int:
+    """rejected_records, awaited (an event loop must not block on the DHT's process)."""
+    return int(await dht.run_coroutine(_count_rejected, return_future=True))

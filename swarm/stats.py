@@ -53,6 +53,8 @@ class StageStats:
     too_late: int = 0  # gradients not applied: the hop's deadline had passed
     duplicates: int = 0  # microbatches refused because a later stage (or this one) had them already
     replayed: int = 0  # repeats of microbatches applied here already, answered with their first reply
+    averaging_strikes: int = 0  # flags this peer gave partners whose round values were far off
+    averaging_exclusions: int = 0  # partners it excluded from its rounds for that
 
     def to_dict(self) -> dict[str, Any]:
         """As the status line prints it."""

@@ -2,24 +2,48 @@
 
 The threat model is docs/RELIABILITY.md's "Public swarms". Forgers of records in detail: tests/test_signed_records.py
 (real DHT nodes); poisoning replicas and dishonest reducers: tests/test_averaging.py (real averaging rounds). Here:
-a forger in a live swarm, a stage peer that computes wrong results, and a peer that announces a huge throughput
-and answers no call.
+a forger in a live swarm, a stage peer that computes wrong results, a peer that announces a huge throughput and
+answers no call, a replica that poisons its stage's rounds, and a flood of reachability checks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
+import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import pytest
+import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from conftest import LOOPBACK, client_dht, tiny_manifest_dict
 from swarm import joining
-from swarm.client.checks import CONVICTING_PARTNERS, WorkChecks, losses_disagree
+from swarm.client.checks import (
+    CONVICTING_PARTNERS,
+    MAX_PRINT_GAP,
+    MIN_PAIR_CHECKS,
+    PRINT_SIZE,
+    CheckPlan,
+    WorkChecks,
+    fingerprint_gap,
+    gradient_fingerprint,
+    gradient_prints,
+    losses_disagree,
+)
 from swarm.manifest import manifest_from_dict
+from swarm.protocol import HopTiming
 from swarm.records import fetch_announcements, stage_key
+from swarm.server.reachability import check_reachability
+
+REPO = Path(__file__).resolve().parent.parent
 
 # ------------------------------------------------------------------------------------ checks, pure logic
 
@@ -46,7 +70,7 @@ def test_checks_convict_nobody_when_two_replicas_disagree():
     stages = [["a", "b"], ["last"]]
     for _ in range(100):
         plan = checks.plan(["a", "last"], stages, rng)
-        assert plan is not None and plan.other_route == ("b", "last")
+        assert plan is not None and {plan.route[0], plan.other_route[0]} == {"a", "b"}
         assert checks.record(plan, 3.0, 5.0) == []
     assert not checks.convicted and CONVICTING_PARTNERS >= 2
 
@@ -56,6 +80,53 @@ def test_losses_of_close_replicas_agree_and_wrong_ones_do_not():
     assert not losses_disagree(0.01, 0.04)  # tiny losses: the absolute floor
     assert losses_disagree(3.0, 4.0)
     assert losses_disagree(3.0, float("nan"))
+
+
+def test_gradient_fingerprints_of_close_gradients_agree_and_of_shuffled_ones_do_not():
+    torch.manual_seed(0)
+    grad = torch.randn(8, 64, 32)
+    print_ = gradient_fingerprint(grad)
+    assert len(print_) == PRINT_SIZE and print_ == gradient_fingerprint(grad.clone())  # the same on every peer
+    assert fingerprint_gap(print_, gradient_fingerprint(grad + 0.05 * torch.randn_like(grad))) < 0.2
+    assert fingerprint_gap(print_, gradient_fingerprint(grad[:, torch.randperm(64)])) > MAX_PRINT_GAP
+    assert fingerprint_gap(print_, gradient_fingerprint(-grad)) == pytest.approx(2.0)
+    assert fingerprint_gap(print_, [float("nan")] * PRINT_SIZE) == float("inf")
+    assert fingerprint_gap(print_, []) is None  # a hop that reported none: nothing to compare
+    assert gradient_fingerprint(torch.randn(8, 64)) == []
+
+
+def test_a_check_compares_the_gradients_that_the_hop_before_the_checked_stage_received():
+    plan = CheckPlan(stage=1, route=("a", "b", "c"), other_route=("a", "x", "c"))
+    hops = [HopTiming("a", 0.1, 0.3, (1.0, 2.0)), HopTiming("b", 0.1, 0.2, (3.0,)), HopTiming("c", 0.1, 0.1)]
+    other = [HopTiming("a", 0.1, 0.3, (1.0, -2.0)), HopTiming("x", 0.1, 0.2, (3.0,)), HopTiming("c", 0.1, 0.1)]
+    assert gradient_prints(plan, hops, other) == ((1.0, 2.0), (1.0, -2.0))
+    rerouted = [other[0], HopTiming("y", 0.1, 0.2), other[2]]  # not the planned peer: nothing to compare
+    assert gradient_prints(plan, hops, rerouted) == ((), ())
+    assert gradient_prints(CheckPlan(0, ("a", "b"), ("x", "b")), hops[:2], other[:2]) == ((), ())
+
+
+def test_gradients_are_judged_by_a_pairs_median_gap_over_several_checks():
+    """One check's gap is noisy: a pair is judged once it has MIN_PAIR_CHECKS of them, by their median, and a
+    liar of gradients (true losses) is convicted by that, never by its agreeing losses."""
+    checks, rng = WorkChecks(fraction=1.0), random.Random(0)
+    stages = [["zero"], ["honest-a", "honest-b", "liar"]]
+    near, far = [1.0] * PRINT_SIZE, [1.0] * (PRINT_SIZE // 2) + [-1.0] * (PRINT_SIZE // 2)
+    convicted = []
+    for i in range(300):
+        plan = checks.plan(["zero", rng.choice(stages[1])], stages, rng)
+        assert plan is not None and plan.stage == 1
+        pair = {plan.route[1], plan.other_route[1]}
+        noisy = [x * (1.3 if i % 5 == 0 else 1.0) for x in near]  # now and then an honest gap of 0.23
+        prints = (near, far if "liar" in pair else noisy)
+        convicted += checks.record(plan, 3.0, 3.0, prints)
+        if i < MIN_PAIR_CHECKS:
+            assert not checks.agreed  # too few gaps yet
+    assert convicted == ["liar"]
+    # past stage 0, agreeing losses without gradients to compare clear nobody (a liar of gradients has true losses)
+    fresh = WorkChecks(fraction=1.0)
+    for _ in range(20):
+        fresh.record(CheckPlan(1, ("zero", "a"), ("zero", "b")), 3.0, 3.0)
+    assert not fresh.agreed and not fresh.disagreed
 
 
 # ------------------------------------------------------------------------------------ live swarms
@@ -98,6 +169,28 @@ def test_a_stage_peer_that_computes_wrong_results_is_caught_and_routed_around(st
         print(f"liar convicted {detection:.1f} s after it joined; checks {line['trainer_checks']}")
     finally:
         dht.shutdown()
+
+
+def test_a_stage_peer_that_sends_back_wrong_gradients_is_caught_by_their_fingerprints(start_peer, write_manifest):
+    """Stage 1 (the last) has two honest replicas and one whose loss is true but whose gradients are shuffled: the
+    loss cannot show it, the fingerprint of the gradient that stage 0 received does. The trainer convicts it and
+    no honest replica. A pair is judged by the median gap over its last checks, not by one, because two honest
+    replicas a few steps apart can differ as much as a liar does once (see swarm/client/checks.py)."""
+    raw = tiny_manifest_dict()
+    first = start_peer(write_manifest(raw), "--stage", "0", "--status-every", "1", "--check-fraction", "0.3")
+    raw["initial_peers"] = [first.maddr()]
+    path = write_manifest(raw, "joined.json")
+    honest = [start_peer(path, "--stage", "1", "--no-trainer") for _ in range(2)]
+    liar = start_peer(path, "--stage", "1", "--no-trainer", module="tests.adversaries.wrong_gradients_peer")
+    liar_id, honest_ids = liar.peer_id(), {first.peer_id(), *(peer.peer_id() for peer in honest)}
+    joined = time.monotonic()
+    line = first.wait_for_json(
+        lambda line: liar_id in line.get("trainer_convicted", []), timeout=120, what="the gradient liar convicted"
+    )
+    assert not honest_ids & set(line["trainer_convicted"]), line
+    print(
+        f"gradient liar convicted {time.monotonic() - joined:.1f} s after it started; checks {line['trainer_checks']}"
+    )
 
 
 def test_a_peer_that_announces_a_huge_throughput_and_answers_nothing_only_slows_training(start_peer, write_manifest):
@@ -157,6 +250,72 @@ def test_a_forger_cannot_take_a_live_peer_out_of_the_swarm(start_peer, write_man
             time.sleep(0.5)
         assert victim_id in _online(reader, manifest, 1)
         assert first.status_lines()[-1]["trainer_samples"] > begin + 5 * 8  # still trains through it
+        # and the peers count what they refused (the forger stores at every node of this small DHT)
+        first.wait_for_json(lambda line: line.get("refused_records", 0) >= 1, timeout=10, what="refused records")
     finally:
         forger.shutdown()
         reader.shutdown()
+
+
+def test_a_poisoning_replica_is_excluded_and_the_honest_replicas_keep_averaging(start_peer, write_manifest):
+    """Stage 0 has three honest replicas and one that poisons every round (scaled, sign-flipped, a stale copy, in
+    turn, each claiming a million samples' weight): the honest replicas' rounds with it are still applied (the
+    robust aggregate outvotes it), they flag and exclude it, and go on averaging among themselves."""
+    raw = tiny_manifest_dict(averaging={"every_samples": 256, "matchmaking_time": 2.0})
+    first = start_peer(write_manifest(raw), "--stage", "0", "--status-every", "1")
+    raw["initial_peers"] = [first.maddr()]
+    path = write_manifest(raw, "joined.json")
+    start_peer(path, "--stage", "1", "--no-trainer")
+    honest = [first] + [start_peer(path, "--stage", "0", "--no-trainer", "--status-every", "1") for _ in range(2)]
+    poisoner = start_peer(path, "--stage", "0", "--no-trainer", module="tests.adversaries.poisoning_peer")
+    poisoner.wait_for("poisoning this round", timeout=120)
+    first.wait_for_json(lambda line: line.get("averaging_exclusions", 0) >= 1, timeout=120, what="an exclusion")
+    excluded_at = time.time()
+    with_it = [e for e in first.events("averaging_round") if e["group_size"] == 4]
+    assert any(e["outcome"] == "applied" for e in with_it), with_it  # outvoted, not a dropped round
+    # the honest replicas go on: rounds among themselves, applied
+    first.wait_for_json(
+        lambda line: (
+            line.get("event") == "averaging_round" and line["at"] > excluded_at and line["outcome"] == "applied"
+        ),
+        timeout=60,
+        what="an applied round after the exclusion",
+    )
+    status = first.status_lines()[-1]
+    assert status["averaging_strikes"] >= 2 and status["trainer_loss"] is not None, status
+    kinds = set(re.findall(r"poisoning this round: (\S+)", poisoner.output()))
+    print(
+        f"poisons sent: {sorted(kinds)}; first replica: {status['averaging_strikes']} strikes, "
+        f"{status['averaging_exclusions']} exclusions, {status['averaging_rounds']} rounds"
+    )
+    for peer in honest:
+        assert peer.process.poll() is None
+
+
+def test_a_flood_of_reachability_checks_stops_neither_training_nor_a_newcomers_check(start_peer, write_manifest):
+    """A process keeps 32 reachability checks in flight at the stage-0 peer for 15 s, from one identity: it gets
+    one dial back and refusals after that, the peer trains on, and a newcomer's check in the meantime is answered."""
+    raw = tiny_manifest_dict()
+    first = start_peer(write_manifest(raw), "--stage", "0", "--status-every", "1")
+    raw["initial_peers"] = [first.maddr()]
+    start_peer(write_manifest(raw, "joined.json"), "--stage", "1", "--no-trainer")
+    first.wait_for_json(lambda line: (line.get("trainer_samples") or 0) > 0, timeout=90, what="training")
+    begin, started = first.status_lines()[-1], time.monotonic()
+    command = [sys.executable, "-m", "tests.adversaries.reachability_flood", first.maddr(), "15", "32"]
+    flood = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    try:
+        time.sleep(3)
+        verdict = asyncio.run(check_reachability([first.maddr()], [LOOPBACK], None))  # a newcomer, meanwhile
+        out, _ = flood.communicate(timeout=60)
+    finally:
+        if flood.poll() is None:  # its p2p daemon is in its process group
+            os.killpg(flood.pid, signal.SIGKILL)
+            flood.wait()
+    end, took = first.status_lines()[-1], time.monotonic() - started
+    answers = json.loads(out.strip().splitlines()[-1])
+    print(f"flood answers: {answers}; newcomer: {verdict}")
+    assert verdict.reachable is True, verdict.detail
+    assert answers.get("reachable", 0) <= 1 and answers.get("refused", 0) >= 100, answers
+    assert sum(n for key, n in answers.items() if key.startswith("failed")) <= 3, answers
+    assert end["trainer_samples"] - begin["trainer_samples"] >= 8 * took, (begin, end)  # a microbatch a second
+    assert first.process.poll() is None

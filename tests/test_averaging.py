@@ -16,6 +16,7 @@ from swarm.averaging import (
     RoundTiming,
     current_round,
     outer_step,
+    progress_seen,
     round_payload_bytes,
     swarm_samples_in_round,
 )
@@ -34,8 +35,25 @@ def test_round_counts_other_peers_of_the_same_round_with_their_progress_since_th
         RoundProgress(round=2, samples=999, rate=0, age=0),
     ]
     assert swarm_samples_in_round(3, 50, others) == 50 + 100 + 20
+    assert swarm_samples_in_round(3, 50, others, horizon=1.0) == 50 + 100 + 10  # a late record: it may be gone
     assert current_round(3, others) == 3
     assert current_round(1, others) == 3  # a peer that missed rounds catches up
+
+
+def test_a_peers_pace_comes_from_its_announcements_so_a_peer_that_stopped_serving_adds_nothing():
+    first = progress_seen(None, 3, 100, announced_at=10.0)
+    assert first.rate == 0.0  # one announcement says nothing of its pace: a round is due later, never early
+    assert progress_seen(first, 3, 100, announced_at=10.0) is first  # the same record, read again
+    serving = progress_seen(first, 3, 150, announced_at=15.0)
+    assert serving.rate == 10.0
+    assert progress_seen(serving, 3, 120, announced_at=12.0) is serving  # an older replica of its record
+    # its trainers left: its count stops, and so does what others add for it (a 30 s average would still say
+    # 10/s, and with the count at 150 of 256 that alone made a round due 11 s later that nobody trained for)
+    stopped = progress_seen(serving, 3, 150, announced_at=20.0)
+    assert stopped.rate == 0.0
+    assert swarm_samples_in_round(3, 0, [RoundProgress(3, stopped.samples, stopped.rate, age=60.0)]) == 150
+    # a new round starts its count afresh
+    assert progress_seen(serving, 4, 5, announced_at=20.0) == type(first)(4, 5, 20.0, 0.0)
 
 
 def test_outer_step_is_sgd_with_nesterov_momentum():

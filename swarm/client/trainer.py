@@ -24,7 +24,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from swarm import protocol
-from swarm.client.checks import CHECK_FRACTION, CONVICTION_BAN, CheckPlan, WorkChecks
+from swarm.client.checks import CHECK_FRACTION, CONVICTION_BAN, CheckPlan, WorkChecks, gradient_prints
 from swarm.client.relay import NO_PEER_WAIT, RelayedPipeline
 from swarm.client.rpc import call_stage
 from swarm.client.window import AdaptiveWindow
@@ -183,6 +183,9 @@ class Trainer:
                 tried.clear()
                 await asyncio.sleep(NO_PEER_WAIT)
                 continue
+            plan = self.checks.plan(route, await self._online_ids(), self.rng) if train else None
+            if plan is not None:  # a checked microbatch goes through the check's pair of replicas
+                route = list(plan.route)
             tried.add(route[0])
             request = protocol.make_request(
                 self.manifest,
@@ -196,7 +199,6 @@ class Trainer:
             )
             for peer_id in route:
                 self.router.started(peer_id, samples)
-            plan = self.checks.plan(route, await self._online_ids(), self.rng) if train else None
             check = asyncio.create_task(self._check_copy(plan, inputs, targets, budget)) if plan else None
             begin = time.monotonic()
             try:
@@ -209,9 +211,9 @@ class Trainer:
                     self.window.observe(took, time.monotonic())
                     self._attest(route[0], hops, samples)
                 if check is not None and plan is not None:
-                    other_loss, check = await check, None
-                    if other_loss is not None:
-                        self._judge(plan, float(loss), other_loss)
+                    other, check = await check, None
+                    if other is not None:
+                        self._judge(plan, float(loss), hops, *other)
                 return float(loss), samples
             except RemoteStageError as e:
                 last_error = e
@@ -237,9 +239,9 @@ class Trainer:
 
     async def _check_copy(
         self, plan: CheckPlan, inputs: torch.Tensor, targets: torch.Tensor, budget: float
-    ) -> float | None:
-        """The check's copy of a microbatch, an ordinary training microbatch through the other route; its loss, or
-        None if it failed (a failure says nothing of honesty: the usual bans handle it)."""
+    ) -> tuple[float, list[protocol.HopTiming]] | None:
+        """The check's copy of a microbatch, an ordinary training microbatch through the other route; its loss and
+        hops, or None if it failed (a failure says nothing of honesty: the usual bans handle it)."""
         request = protocol.make_request(
             self.manifest,
             0,
@@ -258,15 +260,24 @@ class Trainer:
         except Exception as e:
             logger.debug(f"a check's copy failed: {e!r}")
             return None
-        self._attest(plan.other_route[0], protocol.decode_hops(reply, self.manifest.num_stages), inputs.shape[0])
+        hops = protocol.decode_hops(reply, self.manifest.num_stages)
+        self._attest(plan.other_route[0], hops, inputs.shape[0])
         self.samples += inputs.shape[0]  # trained like any other: the stages' counts and the trainer's agree
-        return float(loss)
+        return float(loss), hops
 
-    def _judge(self, plan: CheckPlan, loss: float, other_loss: float) -> None:
-        for peer_id in self.checks.record(plan, loss, other_loss):
+    def _judge(
+        self,
+        plan: CheckPlan,
+        loss: float,
+        hops: list[protocol.HopTiming],
+        other_loss: float,
+        other_hops: list[protocol.HopTiming],
+    ) -> None:
+        prints = gradient_prints(plan, hops, other_hops)
+        for peer_id in self.checks.record(plan, loss, other_loss, prints):
             self.router.ban(peer_id, time.monotonic() + CONVICTION_BAN)
             logger.warning(
-                f"peer {peer_id[-8:]} of stage {plan.stage} computes wrong results (its losses disagreed with "
+                f"peer {peer_id[-8:]} of stage {plan.stage} computes wrong results (its losses or gradients disagreed with "
                 f"{len(self.checks.disagreed.get(peer_id, ()))} peers that agree with others): left out of routes "
                 f"for {CONVICTION_BAN / 60:.0f} minutes"
             )

@@ -34,6 +34,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from swarm import protocol
+from swarm.client.checks import gradient_fingerprint
 from swarm.errors import BadRequestError, RemoteStageError
 from swarm.manifest import Manifest
 from swarm.records import PeerState, SwarmView
@@ -176,7 +177,8 @@ class Forwarder:
             return result
         grads, seconds = result
         self.forwarded += 1
-        return self._reply([loss, *grads], forwarded.compute_seconds + seconds, arrival, hops)
+        fingerprint = gradient_fingerprint(grad)  # on every train microbatch: a hop cannot tell which is a check
+        return self._reply([loss, *grads], forwarded.compute_seconds + seconds, arrival, hops, fingerprint)
 
     async def _in_worker(self, fn: Callable[[StageCompute], object], caller: str):
         """`fn` in the worker under one of the caller's request slots (freed when the work is done); a refusal it
@@ -195,11 +197,17 @@ class Forwarder:
         return result
 
     def _reply(
-        self, tensors: list[torch.Tensor], compute: float, arrival: float, later: list[protocol.HopTiming]
+        self,
+        tensors: list[torch.Tensor],
+        compute: float,
+        arrival: float,
+        later: list[protocol.HopTiming],
+        gradient_print: list[float] | None = None,
     ) -> runtime_pb2.ExpertResponse:
         total = time.monotonic() - arrival
-        hops = [[self.peer_id, round(compute, 6), round(max(total, compute), 6)]]
-        hops += [[h.peer_id, h.compute, h.total] for h in later]
+        here: list = [self.peer_id, round(compute, 6), round(max(total, compute), 6)]
+        hops = [here + [gradient_print]] if gradient_print else [here]
+        hops += [[h.peer_id, h.compute, h.total, list(h.gradient_print)] for h in later]
         return protocol.make_reply(tensors, protocol.wire_compression(self.manifest), hops=hops)
 
     # ------------------------------------------------------------------------------- the next hop

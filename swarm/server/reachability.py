@@ -32,6 +32,8 @@ MAX_ADDR_LENGTH = 256
 DIAL_TIMEOUT = 5.0
 CHECK_TIMEOUT = 15.0  # the asker's limit for one helper's answer
 MAX_HELPERS = 3
+RECHECK_AFTER = 60.0  # seconds before a helper checks the same asker again (a real asker asks once, at its start)
+MAX_REMEMBERED_ASKERS = 4096
 MAX_DIALS_PER_ROUND = 64  # of a reverse connector: records are public, so their number is not ours to choose
 CONCURRENT_DIALS = 16
 # the probe dials out only: no listening, no relays, no NAT tricks, so its dials test exactly one thing
@@ -90,7 +92,9 @@ class ReachabilityService(ServicerBase):
     """Every peer answers "can you dial me?" by dialing the asker from a probe daemon.
 
     It dials only the asker's own peer id, and only at addresses on the IP the asker is connected from, so a
-    check cannot make it dial (or probe the ports of) anyone else. One check at a time; others get "busy".
+    check cannot make it dial (or probe the ports of) anyone else. One check at a time; others get "busy". An
+    asker is checked at most once a minute (a peer asks once, as it starts, from a node of its own): a flood of
+    checks from one identity gets a refusal each, without a dial, and does not keep others' checks waiting.
     In a private swarm (`manifest` names a secret) it checks only askers that prove they hold the secret.
     """
 
@@ -99,6 +103,8 @@ class ReachabilityService(ServicerBase):
         self._p2p: P2P | None = None
         self._probe: P2P | None = None
         self._lock = asyncio.Lock()
+        self._checked: dict[str, float] = {}  # asker's peer id -> when this helper last dialed it (monotonic)
+        self.refused = 0  # checks refused for asking again too soon
 
     async def add_p2p_handlers(self, p2p: P2P, *args, **kwargs) -> None:
         self._p2p = p2p  # to see which IP an asker is connected from
@@ -111,7 +117,12 @@ class ReachabilityService(ServicerBase):
         return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(reply))
 
     async def _check(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> tuple[bool | None, str]:
-        """(verdict, why); None: this helper cannot tell (busy, or its probe does not work)."""
+        """(verdict, why); None: this helper cannot tell (busy, asked again too soon, or its probe does not work)."""
+        asker_id, now = context.remote_id.to_base58(), time.monotonic()
+        last = self._checked.get(asker_id)
+        if last is not None and now - last < RECHECK_AFTER:
+            self.refused += 1
+            return None, f"this helper checked this peer {now - last:.0f} s ago: ask again in a minute"
         if self._lock.locked():
             return None, "busy with another check"
         try:
@@ -130,6 +141,7 @@ class ReachabilityService(ServicerBase):
             addrs = [a for a in direct_addresses(claimed, asker.to_base58()) if ip_of(a) in connected_from]
             if not addrs:
                 return False, "none of its addresses is on the IP it connects from"
+            self._remember(asker_id, now)  # (only dials count: answering without one costs nothing)
             try:
                 probe = await self._get_probe()
             except Exception as e:
@@ -151,6 +163,13 @@ class ReachabilityService(ServicerBase):
                     await probe._client.disconnect(asker)
                 except Exception:
                     pass
+
+    def _remember(self, asker_id: str, now: float) -> None:
+        if len(self._checked) >= MAX_REMEMBERED_ASKERS:  # forget those whose minute is over (a flood of identities)
+            self._checked = {p: t for p, t in self._checked.items() if now - t < RECHECK_AFTER}
+            if len(self._checked) >= MAX_REMEMBERED_ASKERS:
+                self._checked.pop(next(iter(self._checked)))
+        self._checked[asker_id] = now
 
     async def _connected_ips(self, peer: PeerID) -> set[str]:
         if self._p2p is None:

@@ -21,8 +21,10 @@ from hivemind.utils import get_dht_time
 
 from swarm.averaging import (
     AveragingError,
+    ProgressSeen,
     RoundProgress,
     current_round,
+    progress_seen,
     round_payload_bytes,
     swarm_samples_in_round,
 )
@@ -78,6 +80,7 @@ class AveragingRounds:
         self._view: SwarmView | None = None
         self._p2p: P2P | None = None
         self._last_seen: dict[str, float] = {}  # peer id -> DHT time this peer last saw it online in the stage
+        self._progress: dict[str, ProgressSeen] = {}  # peer id -> its last announced round progress
 
     @property
     def round(self) -> int:
@@ -108,11 +111,11 @@ class AveragingRounds:
         if stage_round > self.round:  # others averaged without us
             await self._catch_up(stage_round, [o.peer_id for o in others if o.round == stage_round])
             return
-        mine = self.round_samples()
-        total = swarm_samples_in_round(self.round, mine, others)
+        mine, horizon = self.round_samples(), self.manifest.network.announce_period
+        total = swarm_samples_in_round(self.round, mine, others, horizon)
         if NEAR_ROUND * target <= total < target:  # close: look at fresh records, to meet the others in time
             others = await self._round_progress_of_others(fresh=True)
-            total = swarm_samples_in_round(self.round, mine, others)
+            total = swarm_samples_in_round(self.round, mine, others, horizon)
         if total >= target:
             await self.average_round(alone=self._alone())
 
@@ -136,12 +139,14 @@ class AveragingRounds:
                 self._last_seen[a.peer_id] = now
             elif a.state != PeerState.ONLINE:  # it said it leaves (or moves): it is not waited for
                 self._last_seen.pop(a.peer_id, None)
-        return [
-            RoundProgress(
-                a.averaging_round, a.round_samples, a.delivered_throughput, now - (a.expiration - lifetime), a.peer_id
-            )
-            for a in online
-        ]
+                self._progress.pop(a.peer_id, None)
+        progress = []
+        for a in online:
+            announced_at = a.expiration - lifetime
+            seen = progress_seen(self._progress.get(a.peer_id), a.averaging_round, a.round_samples, announced_at)
+            self._progress[a.peer_id] = seen
+            progress.append(RoundProgress(seen.round, seen.samples, seen.rate, now - seen.announced_at, a.peer_id))
+        return progress
 
     async def _catch_up(self, stage_round: int, ahead: list[str]) -> None:
         """This peer missed rounds (it was alone, busy, or its round failed while others' succeeded). In parameters

@@ -240,6 +240,8 @@ class StageServer:
             activation_bytes_received=traffic.activation_received,
             averaging_bytes_sent=traffic.averaging_sent,
             averaging_bytes_received=traffic.averaging_received,
+            averaging_strikes=self.rounds.averager.strikes if self.rounds is not None else 0,
+            averaging_exclusions=self.rounds.averager.exclusions if self.rounds is not None else 0,
         )
 
     # ---------------------------------------------------------------------------------------- checkpoints
