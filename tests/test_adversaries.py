@@ -214,14 +214,14 @@ def test_a_peer_that_announces_a_huge_throughput_and_answers_nothing_only_slows_
             assert time.monotonic() < deadline, "the black hole never announced itself online"
             time.sleep(0.5)
         begin = first.status_lines()[-1]
-        time.sleep(20)
+        time.sleep(12)
         end = first.status_lines()[-1]
         trained = end["trainer_samples"] - begin["trainer_samples"]
         failed = end["trainer_failed_microbatches"] - begin["trainer_failed_microbatches"]
-        assert trained >= 20 * 8, (begin, end)  # at least a microbatch a second, through the honest peer
+        assert trained >= 12 * 8, (begin, end)  # at least a microbatch a second, through the honest peer
         assert failed <= 2, (begin, end)
         assert _online(dht, manifest, 1)[hole_id] == 0  # it served nothing
-        print(f"with the black hole: {trained / 20:.1f} samples/s, {failed} microbatches failed")
+        print(f"with the black hole: {trained / 12:.1f} samples/s, {failed} microbatches failed")
     finally:
         dht.shutdown()
 
@@ -293,7 +293,7 @@ def test_a_poisoning_replica_is_excluded_and_the_honest_replicas_keep_averaging(
 
 
 def test_a_flood_of_reachability_checks_stops_neither_training_nor_a_newcomers_check(start_peer, write_manifest):
-    """A process keeps 32 reachability checks in flight at the stage-0 peer for 15 s, from one identity: it gets
+    """A process keeps 32 reachability checks in flight at the stage-0 peer for 10 s, from one identity: it gets
     one dial back and refusals after that, the peer trains on, and a newcomer's check in the meantime is answered."""
     raw = tiny_manifest_dict()
     first = start_peer(write_manifest(raw), "--stage", "0", "--status-every", "1")
@@ -301,7 +301,7 @@ def test_a_flood_of_reachability_checks_stops_neither_training_nor_a_newcomers_c
     start_peer(write_manifest(raw, "joined.json"), "--stage", "1", "--no-trainer")
     first.wait_for_json(lambda line: (line.get("trainer_samples") or 0) > 0, timeout=90, what="training")
     begin, started = first.status_lines()[-1], time.monotonic()
-    command = [sys.executable, "-m", "tests.adversaries.reachability_flood", first.maddr(), "15", "32"]
+    command = [sys.executable, "-m", "tests.adversaries.reachability_flood", first.maddr(), "10", "32"]
     flood = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
     try:
         time.sleep(3)
