@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 # Version of the wire protocol between peers (stage RPC messages and announcement records).
 # Peers refuse requests and records that carry another version.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 import warnings  # noqa: E402
 
