@@ -75,6 +75,7 @@ from benchmarks.common import (  # noqa: E402
     eval_batches,
     free_ports,
     online_by_stage,
+    start_milestones,
     stop_on_sigterm,
     swarm_heldout_losses,
     tiny_manifest_dict,
@@ -379,12 +380,15 @@ class Swarm:
         """Start the peer again (same identity, port, stage, checkpoints) and wait until it serves."""
         await asyncio.to_thread(start_peer, peer, self.manifest_path, self.cache, self.settings)
         record["restarted_at_s"] = self.t()
-        deadline = time.monotonic() + START_TIMEOUT
+        began, deadline = time.monotonic(), time.monotonic() + START_TIMEOUT
+        record["milestones_s"] = milestones = {}  # where the restart's time went (benchmarks/common.py)
         try:
             while not serving(peer):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"did not serve within {START_TIMEOUT:.0f}s of its restart")
+                start_milestones(log_text(peer), milestones, time.monotonic() - began)
                 await asyncio.sleep(0.2)
+            start_milestones(log_text(peer), milestones, time.monotonic() - began)
         except RuntimeError as e:
             record["serving_again_at_s"] = None
             record["error"] = str(e)[:300]

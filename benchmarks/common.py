@@ -12,6 +12,7 @@ import asyncio
 import copy
 import itertools
 import json
+import re
 import signal
 import socket
 import sys
@@ -58,6 +59,23 @@ TINY_MANIFEST = {
     "averaging": {"mode": "parameters", "every_samples": 2048},
     "initial_peers": [],
 }
+
+
+# The first line of a peer's output matching each, in the order a start passes them (benchmarks/startup.py and
+# benchmarks/churn.py time a start by them).
+START_MILESTONES = {
+    "reachability_checked": r"reachable: |NOT reachable|reachability not checked",
+    "dht_up": r"swarm '.*' \(id",
+    "throughput_known": r"compute throughput of stage \d",
+    "serving": r"^serving stage \d",
+}
+
+
+def start_milestones(output: str, seen: dict[str, float], elapsed: float) -> None:
+    """Adds to `seen` (milestone -> seconds) each milestone that `output` passed and `seen` lacks."""
+    for name, pattern in START_MILESTONES.items():
+        if name not in seen and re.search(pattern, output, re.M):
+            seen[name] = round(elapsed, 2)
 
 
 def tiny_manifest_dict(**overrides) -> dict:

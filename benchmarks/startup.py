@@ -14,21 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import free_ports, tiny_manifest_dict  # noqa: E402
+from benchmarks.common import free_ports, start_milestones, tiny_manifest_dict  # noqa: E402
 from peers import processes  # noqa: E402
 
-MILESTONES = {  # the first line matching each, in the order a start passes them
-    "reachability_checked": r"reachable: |NOT reachable|reachability not checked",
-    "dht_up": r"swarm '.*' \(id",
-    "serving": r"serving stage \d",
-}
 START_TIMEOUT = 120.0
 
 
@@ -39,10 +33,7 @@ def timed_start(args: list[str], log: Path, cache: Path) -> tuple[processes.Peer
     while "serving" not in seen:
         if time.monotonic() - begin > START_TIMEOUT or peer.poll() is not None:
             raise RuntimeError(f"the peer did not serve within {START_TIMEOUT:.0f}s: {peer.tail()}")
-        text = peer.output()
-        for name, pattern in MILESTONES.items():
-            if name not in seen and re.search(pattern, text):
-                seen[name] = round(time.monotonic() - begin, 2)
+        start_milestones(peer.output(), seen, time.monotonic() - begin)
         time.sleep(0.05)
     return peer, seen
 

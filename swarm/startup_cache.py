@@ -12,11 +12,13 @@ Both live in $SWARM_CACHE_DIR/startup.json. A damaged or foreign file is ignored
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -71,15 +73,21 @@ class StartupCache:
         return data if isinstance(data, dict) else {}
 
     def _write(self, key: str, value: dict[str, Any]) -> None:
-        data = self._read()
-        data[key] = {**value, "time": time.time()}
-        if len(data) > MAX_ENTRIES:  # the oldest go first
-            data = dict(sorted(data.items(), key=lambda item: _age_key(item[1]))[-MAX_ENTRIES:])
+        # Peers started together on one machine write at once: the read-modify-write holds a lock (else one
+        # peer's entry is lost and its restart checks again), and each writes its own temporary file.
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = self.path.with_suffix(".tmp")
-            temporary.write_text(json.dumps(data))
-            temporary.replace(self.path)
+            with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                data = self._read()
+                data[key] = {**value, "time": time.time()}
+                if len(data) > MAX_ENTRIES:  # the oldest go first
+                    data = dict(sorted(data.items(), key=lambda item: _age_key(item[1]))[-MAX_ENTRIES:])
+                with tempfile.NamedTemporaryFile(
+                    "w", dir=self.path.parent, prefix=self.path.name, suffix=".tmp", delete=False
+                ) as temporary:
+                    temporary.write(json.dumps(data))
+                Path(temporary.name).replace(self.path)
         except OSError as e:
             logger.info(f"could not write {self.path}: {e}")
 

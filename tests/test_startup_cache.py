@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+from pathlib import Path
 
 from swarm.startup_cache import StartupCache, reachability_key
 
@@ -38,3 +40,25 @@ def test_an_identity_is_known_to_have_run_here_once_remembered(tmp_path):
     cache.remember_identity(identity)
     assert cache.identity_ran_here(identity)
     assert not cache.identity_ran_here(tmp_path / "copy.key")  # another file: the twin check runs
+
+
+def _remember_identities(path: str, name: str, count: int) -> None:
+    cache = StartupCache(Path(path))
+    for i in range(count):
+        cache.remember_identity(Path(path).parent / f"{name}-{i}.key")
+
+
+def test_peers_that_start_together_keep_each_others_entries(tmp_path):
+    """Four processes write at once, as the peers of a machine started together do: no entry is lost (each
+    restart would otherwise check again what its first start found), and no temporary file is left."""
+    path, count = tmp_path / "startup.json", 12
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_remember_identities, args=(str(path), f"p{k}", count)) for k in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=60)
+        assert writer.exitcode == 0
+    cache = StartupCache(path)
+    assert all(cache.identity_ran_here(tmp_path / f"p{k}-{i}.key") for k in range(4) for i in range(count))
+    assert not list(tmp_path.glob("*.tmp"))
