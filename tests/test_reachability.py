@@ -18,9 +18,11 @@ from swarm.manifest import manifest_from_dict
 from swarm.manifest_loading import load_manifest
 from swarm.records import Announcement, SwarmView, announcement_lifetime, store_announcement
 from swarm.server.reachability import (
+    BUSY,
     NAMESPACE,
     ReachabilityService,
     ReverseConnector,
+    busy_helpers,
     check_reachability,
     direct_addresses,
     verdict_of,
@@ -100,6 +102,29 @@ def test_check_tells_a_listening_peer_from_one_that_cannot_be_dialed(helper):
     assert verdict.reachable is False and "could not dial it back" in verdict.detail, verdict.detail
     assert time.monotonic() - started < 30
     assert asyncio.run(check_reachability([], [LOOPBACK], None)).reachable is None  # nobody to ask
+
+
+def test_only_busy_helpers_are_asked_again_and_only_while_nobody_answered():
+    busy, gone, yes = (
+        {"reachable": None, "error": BUSY},
+        {"reachable": None, "error": "TimeoutError"},
+        {"reachable": True},
+    )
+    assert busy_helpers({"a": busy, "b": gone, "c": busy}) == ["a", "c"]
+    assert busy_helpers({"a": busy, "b": yes}) == []  # one answer is a verdict
+    assert busy_helpers({"a": gone}) == []
+
+
+def test_peers_that_check_at_once_through_one_helper_all_get_a_verdict(helper):
+    """A helper checks one asker at a time and tells the others it is busy: they ask again after a pause, so
+    peers started together (a demo, a machine with several GPUs) all learn whether they are reachable."""
+    _, bootstrap = helper
+
+    async def three_at_once():
+        return await asyncio.gather(*[check_reachability(bootstrap, [LOOPBACK], None) for _ in range(3)])
+
+    verdicts = asyncio.run(three_at_once())
+    assert [v.reachable for v in verdicts] == [True, True, True], [v.detail for v in verdicts]
 
 
 def test_reverse_connector_lets_others_call_a_peer_that_does_not_listen(helper):

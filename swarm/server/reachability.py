@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import random
 import time
 from dataclasses import dataclass
 
@@ -32,6 +33,9 @@ MAX_ADDR_LENGTH = 256
 DIAL_TIMEOUT = 5.0
 CHECK_TIMEOUT = 15.0  # the asker's limit for one helper's answer
 MAX_HELPERS = 3
+BUSY = "busy with another check"
+BUSY_RETRIES = 3  # an asker whose helpers were all busy (peers that start together) asks again, after a pause
+BUSY_PAUSE = (0.5, 2.0)  # seconds, at random
 RECHECK_AFTER = 60.0  # seconds before a helper checks the same asker again (a real asker asks once, at its start)
 MAX_REMEMBERED_ASKERS = 4096
 MAX_DIALS_PER_ROUND = 64  # of a reverse connector: records are public, so their number is not ours to choose
@@ -79,6 +83,13 @@ def verdict_of(replies: list[dict]) -> Verdict:
     return Verdict(False, f"{len(answered) - yes} of {len(answered)} peers could not dial it back ({errors})")
 
 
+def busy_helpers(replies: dict[str, dict]) -> list[str]:
+    """The helpers to ask again: those that were busy, when no helper could answer yet."""
+    if any(isinstance(reply.get("reachable"), bool) for reply in replies.values()):
+        return []
+    return [helper for helper, reply in replies.items() if reply.get("error") == BUSY]
+
+
 def ip_of(addr: Multiaddr) -> str | None:
     for protocol in ("ip4", "ip6"):
         try:
@@ -124,7 +135,7 @@ class ReachabilityService(ServicerBase):
             self.refused += 1
             return None, f"this helper checked this peer {now - last:.0f} s ago: ask again in a minute"
         if self._lock.locked():
-            return None, "busy with another check"
+            return None, BUSY
         try:
             metadata = unpack(request.metadata) if request.metadata else {}
         except Exception:
@@ -234,8 +245,13 @@ async def check_reachability(
     try:
         maddrs = [str(a) for a in await node.get_visible_maddrs()]
         proof = manifest.proof(str(node.peer_id)) if manifest is not None else None
-        replies = await asyncio.gather(*[_ask(node, helper, maddrs, proof) for helper in helpers])
-        return verdict_of(list(replies))
+        replies = dict(zip(helpers, await asyncio.gather(*[_ask(node, h, maddrs, proof) for h in helpers])))
+        for _ in range(BUSY_RETRIES):
+            if not (busy := busy_helpers(replies)):
+                break
+            await asyncio.sleep(random.uniform(*BUSY_PAUSE))
+            replies.update(zip(busy, await asyncio.gather(*[_ask(node, h, maddrs, proof) for h in busy])))
+        return verdict_of(list(replies.values()))
     except Exception as e:
         return Verdict(None, f"the check failed ({type(e).__name__}: {str(e)[:120]})")
     finally:
