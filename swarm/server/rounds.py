@@ -139,14 +139,18 @@ class AveragingRounds:
                 self._last_seen[a.peer_id] = now
             elif a.state != PeerState.ONLINE:  # it said it leaves (or moves): it is not waited for
                 self._last_seen.pop(a.peer_id, None)
-                self._progress.pop(a.peer_id, None)
-        progress = []
-        for a in online:
-            announced_at = a.expiration - lifetime
-            seen = progress_seen(self._progress.get(a.peer_id), a.averaging_round, a.round_samples, announced_at)
-            self._progress[a.peer_id] = seen
-            progress.append(RoundProgress(seen.round, seen.samples, seen.rate, now - seen.announced_at, a.peer_id))
-        return progress
+        # kept for the online peers only (a SIGKILLed peer's record just expires): a peer missed by one read
+        # starts again at rate 0, which makes a round due a little later, never too early
+        self._progress = {
+            a.peer_id: progress_seen(
+                self._progress.get(a.peer_id), a.averaging_round, a.round_samples, a.expiration - lifetime
+            )
+            for a in online
+        }
+        return [
+            RoundProgress(seen.round, seen.samples, seen.rate, now - seen.announced_at, peer_id)
+            for peer_id, seen in self._progress.items()
+        ]
 
     async def _catch_up(self, stage_round: int, ahead: list[str]) -> None:
         """This peer missed rounds (it was alone, busy, or its round failed while others' succeeded). In parameters
