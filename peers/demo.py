@@ -38,6 +38,7 @@ examples:
   swarm-demo                      4 peers (2 stages x 2 replicas), about 2 minutes
   swarm-demo --duration 30 --json a short run; print the summary as one JSON line
   swarm-demo --peers 6 --manifest my-swarm.json
+  swarm-demo --monitor 8080       the same, watched in the browser: open the URL it prints
 """
 
 
@@ -52,12 +53,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=100.0, help="seconds of training (default 100)")
     parser.add_argument("--manifest", default=str(DEMO_MANIFEST), help="swarm manifest (default examples/demo.json)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+    parser.add_argument(
+        "--monitor", type=int, default=None, metavar="PORT", help="also start swarm-monitor's page on PORT (0: any)"
+    )
     parser.add_argument("--keep-logs", action="store_true", help="print the folder of the peers' logs and keep it")
     args = parser.parse_args(argv)
     if args.peers < 1:
         parser.error("--peers must be at least 1")
     if args.duration <= 0:
         parser.error("--duration must be positive")
+    if args.monitor is not None and not 0 <= args.monitor <= 65535:
+        parser.error("--monitor must be a port between 0 and 65535")
     return args
 
 
@@ -121,9 +127,12 @@ async def run_demo(
     for k in range(args.peers):
         # its own session: Ctrl-C reaches only the demo, which then stops every peer cleanly
         peers.append(processes.start_local_peer(manifest_path, k % manifest.num_stages, logs / f"peer{k}.log"))
+    if args.monitor is not None:
+        peers.append(start_monitor(manifest_path, args.monitor, logs))  # stopped with the peers
+        console.print(f"the monitor's page: {await monitor_url(peers[-1])}  (it stops with the demo)", soft_wrap=True)
     try:
         with console.status("starting peers (each loads torch and hivemind, joins the DHT, measures itself)..."):
-            await wait_until_served(dht, manifest, peers, stop, timeout=120)
+            await wait_until_served(dht, manifest, peers, args.peers, stop, timeout=120)
         if stop.is_set():
             return None
 
@@ -199,6 +208,24 @@ async def run_demo(
         await p2p.shutdown()
 
 
+def start_monitor(manifest_path: Path, port: int, logs: Path) -> processes.PeerProcess:
+    """swarm-monitor beside the demo's peers, its history in the demo's folder (each demo starts a new swarm)."""
+    args = ["--join", str(manifest_path), "--port", str(port), "--history", str(logs / "monitor.sqlite"), "--json"]
+    return processes.start_peer([*args, "--every", "2"], logs / "monitor.log", module="peers.monitor")
+
+
+async def monitor_url(monitor: processes.PeerProcess, timeout: float = 60.0) -> str:
+    """The URL the monitor prints once it serves its page; SwarmError if it exits or stays silent."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if lines := [line for line in monitor.json_lines() if "url" in line]:
+            return lines[0]["url"]
+        if (code := monitor.poll()) is not None:
+            raise SwarmError(f"swarm-monitor exited with code {code}:\n{monitor.tail(2000)}")
+        await asyncio.sleep(0.2)
+    raise SwarmError(f"swarm-monitor printed no URL within {timeout:.0f}s:\n{monitor.tail(2000)}")
+
+
 def evaluate_fresh_model(manifest: Manifest, batches: list) -> float:
     """Held-out loss of the seed initialisation, which is exactly what every fresh peer starts from."""
     model = build_full_model(manifest.model)
@@ -207,7 +234,9 @@ def evaluate_fresh_model(manifest: Manifest, batches: list) -> float:
     return sum(losses) / len(losses)
 
 
-async def wait_until_served(dht: DHT, manifest: Manifest, peers: list, stop: asyncio.Event, timeout: float):
+async def wait_until_served(
+    dht: DHT, manifest: Manifest, peers: list, count: int, stop: asyncio.Event, timeout: float
+) -> None:
     deadline = time.monotonic() + timeout
     while not stop.is_set():
         check_peers_alive(peers)
@@ -215,7 +244,7 @@ async def wait_until_served(dht: DHT, manifest: Manifest, peers: list, stop: asy
             sum(a.state == PeerState.ONLINE for a in await fetch_announcements(dht, manifest.swarm_id, s))
             for s in range(manifest.num_stages)
         ]
-        if sum(online) >= len(peers):
+        if sum(online) >= count:
             return
         if time.monotonic() > deadline:
             raise SwarmError(f"peers did not come online within {timeout:.0f}s (online per stage: {online})")
@@ -225,7 +254,8 @@ async def wait_until_served(dht: DHT, manifest: Manifest, peers: list, stop: asy
 def check_peers_alive(peers: list[processes.PeerProcess]) -> None:
     for k, peer in enumerate(peers):
         if (code := peer.poll()) is not None:
-            raise SwarmError(f"peer {k} exited with code {code}; the end of its log:\n{peer.tail(2000)}")
+            name = "the monitor" if peer.log_path.name == "monitor.log" else f"peer {k}"
+            raise SwarmError(f"{name} exited with code {code}; the end of its log:\n{peer.tail(2000)}")
 
 
 def print_summary(console: Console, summary: dict) -> None:

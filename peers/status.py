@@ -10,7 +10,6 @@ import signal
 import sys
 from typing import Any
 
-from hivemind.utils import get_dht_time
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -19,11 +18,10 @@ from rich.text import Text
 from peers import runtime
 from swarm import __version__, joining
 from swarm.errors import SwarmError
-from swarm.health import DEGRADED, UNREACHABLE, exit_code, find_peer, swarm_health
+from swarm.health import DEGRADED, UNREACHABLE, exit_code, find_peer
 from swarm.manifest import Manifest
-from swarm.records import fetch_announcements, fetch_trainer_reports
+from swarm.swarm_view import SwarmView
 
-GONE_AFTER = 600.0  # --watch keeps showing a peer that vanished for this many seconds, as "gone"
 MAX_FAILED_READS = 3  # --watch gives up after this many failed refreshes in a row
 
 EXAMPLES = """\
@@ -108,8 +106,8 @@ async def show(args: argparse.Namespace, manifest: Manifest, dht) -> int:
     """Read the swarm and print it, once or (--watch) until interrupted; the exit code."""
     joining.sign_records(dht, manifest, None)  # a reader: it checks every record's signature, writes none
     console = Console() if sys.stdout.isatty() else Console(width=160)  # piped: do not squeeze the tables
-    seen: dict[str, dict[str, Any]] = {}  # peers seen earlier, to show as "gone" when they vanish (--watch)
-    document = await read_swarm(dht, manifest, args.join, seen)  # the first read must work: else exit 2
+    view = SwarmView(manifest, args.join)  # it shows the peers that vanish since as "gone" (--watch)
+    document, _ = await view.read(dht)  # the first read must work: else exit 2
     if args.watch is None:
         return show_once(args, document, console)
     # in place on a terminal; piped or --json, one document per refresh
@@ -121,7 +119,7 @@ async def show(args: argparse.Namespace, manifest: Manifest, dht) -> int:
         while True:
             await asyncio.sleep(args.watch)
             try:
-                document = await read_swarm(dht, manifest, args.join, seen)
+                document, _ = await view.read(dht)
                 failures = 0
             except SwarmError as e:  # one slow read (a peer just died) must not end the watch
                 failures += 1
@@ -135,31 +133,6 @@ async def show(args: argparse.Namespace, manifest: Manifest, dht) -> int:
             else:
                 code = show_once(args, document, console)
     return code
-
-
-async def read_swarm(dht, manifest: Manifest, source: str, seen: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Read every stage's announcements and the trainers' reports; SwarmError if the DHT does not answer."""
-    try:
-        results = await asyncio.gather(
-            *[fetch_announcements(dht, manifest.swarm_id, stage) for stage in range(manifest.num_stages)],
-            fetch_trainer_reports(dht, manifest.swarm_id),
-        )
-    except Exception as e:  # the DHT process died or timed out
-        raise SwarmError(f"could not read the swarm's records from the DHT ({type(e).__name__}: {e})") from None
-    now = get_dht_time()
-    document = swarm_health(manifest, list(results[:-1]), results[-1], now, manifest_source=source)
-    current = {p["peer_id"] for p in document["peers"]}
-    for peer in document["peers"]:
-        seen[peer["peer_id"]] = {**peer, "seen_at": now}
-    for key, peer in list(seen.items()):
-        if peer["peer_id"] not in current:
-            if now - peer["seen_at"] > GONE_AFTER:
-                del seen[key]
-            else:
-                gone = {k: v for k, v in peer.items() if k != "seen_at"}
-                gone.update(status="gone", last_seen=round(now - peer["seen_at"] + peer["last_seen"], 1))
-                document["peers"].append(gone)
-    return document
 
 
 def verdict(args: argparse.Namespace, document: dict[str, Any]) -> int:

@@ -56,3 +56,8 @@ def _fsync_folder(folder: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def cache_root() -> Path:
+    """Where Swarm keeps what it can make again: $SWARM_CACHE_DIR, or ~/.cache/swarm."""
+    return Path(os.environ.get("SWARM_CACHE_DIR") or Path.home() / ".cache" / "swarm")

@@ -126,6 +126,9 @@ class TrainerReport:
     # samples each stage peer trained for this trainer since it started, as this trainer saw them done: what
     # the stage peers' contributions are ranked by (their own `samples_served` is only their claim)
     served: tuple[tuple[str, int], ...] = ()
+    # samples this trainer ran through its own peer's server: not an attestation (a peer cannot vouch for itself),
+    # but what lets a monitor compare a peer's own count with what trainers attest (swarm/monitor/leaderboard.py)
+    own_samples: int = 0
     expiration: float = 0.0
 
     def to_record(self) -> dict[str, Any]:
@@ -191,6 +194,7 @@ def parse_trainer_report(subkey: Any, record: Any, expiration: float) -> Trainer
             failed_microbatches=_count(record["failed_microbatches"]),
             maddrs=_addresses(record.get("maddrs", [])),
             served=_served(record.get("served", {})),
+            own_samples=_count(record.get("own_samples", 0)),
             expiration=float(expiration),
         )
     except (KeyError, ValueError):

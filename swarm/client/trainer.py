@@ -412,6 +412,7 @@ class Trainer:
                 failed_microbatches=self.failed_microbatches,
                 maddrs=maddrs,
                 served=self.attested(),
+                own_samples=self.served.get(self.peer_id, 0),
             )
             try:
                 await store_trainer_report(self.dht, self.manifest.swarm_id, report, announcement_lifetime(period))

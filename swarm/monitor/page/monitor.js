@@ -1,0 +1,229 @@
+// swarm-monitor's page: reads the monitor's API every few seconds and draws it. Everything a peer says of itself
+// (names, devices, versions) is shown as text (textContent), never as markup; what goes into plotly (which reads
+// a few tags in its labels) is escaped first.
+"use strict";
+
+const REFRESH_MS = 4000;
+const PLOT_CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
+const LAYOUT = {
+  margin: { l: 56, r: 16, t: 36, b: 44 }, font: { size: 12 }, hovermode: "closest",
+  legend: { orientation: "h", y: -0.25 }, paper_bgcolor: "#fff", plot_bgcolor: "#fff",
+};
+let windowName = "hour";
+
+function escapeForPlotly(text) {
+  return String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+}
+
+function peerLabel(peer) {
+  return peer.public_name ? `${peer.public_name} (${peer.short_id})` : peer.short_id;
+}
+
+function count(n) {
+  if (n === null || n === undefined) return "-";
+  for (const [unit, size] of [["G", 1e9], ["M", 1e6], ["k", 1e3]]) if (n >= size) return (n / size).toFixed(1) + unit;
+  return String(n);
+}
+
+function duration(seconds) {
+  seconds = Math.floor(seconds);
+  if (seconds < 120) return `${seconds}s`;
+  if (seconds < 7200) return `${Math.floor(seconds / 60)}m`;
+  return `${Math.floor(seconds / 3600)}h${String(Math.floor((seconds % 3600) / 60)).padStart(2, "0")}m`;
+}
+
+function setText(id, text) {
+  document.getElementById(id).textContent = text;
+}
+
+function cell(row, text, className) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (className) td.className = className;
+  row.appendChild(td);
+  return td;
+}
+
+async function getJSON(path) {
+  const response = await fetch(path, { cache: "no-store" });
+  if (!response.ok && response.status !== 503 && response.status !== 504) throw new Error(`${path}: HTTP ${response.status}`);
+  return response.json();
+}
+
+// ------------------------------------------------------------------------------------------------ health cards
+
+function renderHealth(state) {
+  const { swarm, health, training, monitor } = state;
+  setText("swarm-name", swarm.name);
+  const model = swarm.model;
+  setText("swarm-facts", `id ${swarm.swarm_id} · ${(model.parameters / 1e6).toFixed(1)}M parameters, ` +
+    `${model.depth} layers, width ${model.width} · ${swarm.stages} stages · averaging ${swarm.averaging}`);
+  const card = document.getElementById("status-card");
+  card.className = `card ${monitor.status}`;
+  setText("status", monitor.status);
+  let detail = "every stage is served";
+  if (monitor.status === "unreachable") {
+    detail = `no peer of the swarm answers${monitor.error ? ` (${monitor.error})` : ""}; ` +
+      `last found ${duration(Date.now() / 1000 - monitor.last_read)} ago`;
+  } else if (!health.healthy) {
+    detail = `unserved stage${health.unserved_stages.length > 1 ? "s" : ""} ${health.unserved_stages.join(", ")}`;
+  }
+  setText("status-detail", detail);
+  setText("bottleneck", `stage ${health.bottleneck_stage}`);
+  setText("bottleneck-detail", `${health.bottleneck_throughput.toFixed(1)} samples/s served`);
+  setText("efficiency", health.balance_efficiency === null ? "-" : `${Math.round(health.balance_efficiency * 100)}%`);
+  setText("peers-online", String(swarm.peers_online));
+  setText("trainers", `${training.trainers} trainers` +
+    (swarm.peers_unreachable ? `, ${swarm.peers_unreachable} peers dial out (not reachable)` : ""));
+  setText("speed", `${training.samples_per_second.toFixed(1)}/s`);
+  setText("speed-detail", `samples (${count(Math.round(training.tokens_per_second))} tokens/s), ` +
+    `${training.failed_microbatches} failed microbatches`);
+  setText("loss", training.loss === null ? "-" : training.loss.toFixed(3));
+  setText("tokens", `${count(training.tokens_trained)} tokens trained`);
+  document.title = `Swarm ${swarm.name}: ${monitor.status}`;
+}
+
+// ------------------------------------------------------------------------------------------------ stages
+
+function renderStages(state) {
+  const live = state.peers.filter((p) => p.status === "online");
+  const stages = state.stages.map((s) => `stage ${s.stage}`);
+  // one bar per stage, made of one segment per online peer (its throughput)
+  const traces = live.map((peer) => ({
+    type: "bar", orientation: "h", name: escapeForPlotly(peerLabel(peer)),
+    y: [`stage ${peer.stage}`], x: [peer.throughput], hovertemplate: `%{x:.1f} samples/s<extra>%{fullData.name}</extra>`,
+  }));
+  if (!traces.length) traces.push({ type: "bar", orientation: "h", y: stages, x: stages.map(() => 0), name: "no peers" });
+  Plotly.react("stage-plot", traces, {
+    ...LAYOUT, barmode: "stack", showlegend: false, title: { text: "served throughput (samples/s)" },
+    yaxis: { categoryorder: "array", categoryarray: [...stages].reverse(), type: "category" },
+    margin: { ...LAYOUT.margin, l: 70 },
+  }, PLOT_CONFIG);
+
+  const list = document.getElementById("stage-list");
+  list.replaceChildren();
+  for (const stage of state.stages) {
+    const li = document.createElement("li");
+    li.className = `stage-row${stage.online_peers ? "" : " unserved"}`;
+    li.dataset.stage = stage.stage;
+    const head = document.createElement("strong");
+    head.textContent = `stage ${stage.stage}`;
+    li.appendChild(head);
+    const facts = document.createElement("span");
+    facts.className = "muted";
+    facts.textContent = ` layers ${stage.layers[0]}..${stage.layers[1] - 1} · ${stage.throughput.toFixed(1)} samples/s ` +
+      `(delivered ${stage.delivered_throughput.toFixed(1)}) · ${stage.online_peers} online` +
+      (stage.joining_peers ? ` + ${stage.joining_peers} joining` : "") + ` · ${stage.averaging_rounds} rounds: `;
+    li.appendChild(facts);
+    for (const peer of state.peers.filter((p) => p.stage === stage.stage)) {
+      const chip = document.createElement("span");
+      chip.className = `chip ${peer.status}`;
+      chip.textContent = `${peerLabel(peer)} ${peer.throughput.toFixed(1)}/s`;
+      chip.title = peer.status;
+      li.appendChild(chip);
+    }
+    if (!stage.online_peers) li.appendChild(document.createTextNode(" not served"));
+    list.appendChild(li);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ tables
+
+function renderPeers(state) {
+  const body = document.querySelector("#peers-table tbody");
+  body.replaceChildren();
+  for (const p of state.peers) {
+    const row = document.createElement("tr");
+    row.className = "peer-row";
+    row.dataset.peerId = p.peer_id;
+    cell(row, p.short_id).title = p.peer_id;
+    cell(row, p.public_name || "-");
+    cell(row, String(p.stage));
+    cell(row, p.status, `status-${p.status}`);
+    cell(row, `${p.throughput.toFixed(1)}/s`, "n");
+    cell(row, `${p.delivered_throughput.toFixed(1)}/s`, "n");
+    cell(row, count(p.samples_served), "n");
+    cell(row, count(p.attested_samples), "n");
+    cell(row, String(p.outstanding), "n");
+    cell(row, duration(p.uptime), "n");
+    cell(row, `${duration(p.last_seen)} ago`, "n");
+    cell(row, p.device);
+    cell(row, p.version);
+    cell(row, p.reachable ? "yes" : "no (dials out)");
+    body.appendChild(row);
+  }
+}
+
+function renderLeaderboard(board) {
+  const body = document.querySelector("#leaderboard-table tbody");
+  body.replaceChildren();
+  for (const v of board.volunteers) {
+    const row = document.createElement("tr");
+    row.className = "volunteer-row";
+    row.dataset.peerId = v.peer_id;
+    cell(row, String(v.rank), "n");
+    cell(row, v.public_name || "(no name)");
+    cell(row, v.short_id).title = v.peer_id;
+    cell(row, count(v.attested_samples), "n");
+    cell(row, count(v.claimed_samples), "n").title = `of which ${v.own_trainer_samples} for its own trainer`;
+    cell(row, duration(v.hours_online * 3600), "n").title = `${v.hours_online.toFixed(2)} hours`;
+    cell(row, String(v.averaging_rounds), "n");
+    cell(row, v.disagreement || "ok", v.disagreement ? "flag" : "");
+    body.appendChild(row);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ plots over time
+
+function renderHistory(history) {
+  const times = history.time.map((t) => new Date(t * 1000));
+  const line = { type: "scatter", mode: "lines+markers", marker: { size: 4 }, connectgaps: false };
+  const xTime = { type: "date", title: { text: "" } };
+  Plotly.react("loss-plot", [{ ...line, name: "loss", x: history.tokens_trained, y: history.loss }], {
+    ...LAYOUT, title: { text: "training loss" }, xaxis: { title: { text: "tokens trained" } }, yaxis: { title: { text: "loss" } },
+  }, PLOT_CONFIG);
+  Plotly.react("speed-plot", [{ ...line, name: "samples/s", x: times, y: history.samples_per_second }], {
+    ...LAYOUT, title: { text: "swarm samples per second" }, xaxis: xTime, yaxis: { title: { text: "samples/s" }, rangemode: "tozero" },
+  }, PLOT_CONFIG);
+  const perStage = Object.entries(history.stages).map(([stage, columns]) => ({
+    ...line, name: `stage ${stage}`, x: times, y: columns.online_peers, line: { shape: "hv" },
+  }));
+  Plotly.react("peers-plot", perStage, {
+    ...LAYOUT, title: { text: "peers online per stage" }, xaxis: xTime, yaxis: { title: { text: "peers" }, rangemode: "tozero", dtick: 1 },
+  }, PLOT_CONFIG);
+  Plotly.react("efficiency-plot", [{ ...line, name: "efficiency", x: times, y: history.balance_efficiency }], {
+    ...LAYOUT, title: { text: "balance efficiency" }, xaxis: xTime, yaxis: { range: [0, 1.05], tickformat: ".0%" },
+  }, PLOT_CONFIG);
+}
+
+// ------------------------------------------------------------------------------------------------ refresh loop
+
+async function refresh() {
+  try {
+    const [state, history, board] = await Promise.all([
+      getJSON("/api/v1/state"), getJSON(`/api/v1/history?window=${windowName}`), getJSON("/api/v1/leaderboard"),
+    ]);
+    renderHealth(state);
+    renderStages(state);
+    renderPeers(state);
+    renderLeaderboard(board);
+    renderHistory(history);
+    setText("updated", `Updated ${new Date().toLocaleTimeString()}.`);
+    document.body.dataset.loaded = "true";
+  } catch (error) {
+    const card = document.getElementById("status-card");
+    card.className = "card unreachable";
+    setText("status", "monitor unreachable");
+    setText("status-detail", `the page cannot reach the monitor: ${error.message}`);
+  }
+}
+
+for (const button of document.querySelectorAll("#windows button")) {
+  button.addEventListener("click", () => {
+    windowName = button.dataset.window;
+    for (const other of document.querySelectorAll("#windows button")) other.classList.toggle("selected", other === button);
+    refresh();
+  });
+}
+refresh();
+setInterval(refresh, REFRESH_MS);
