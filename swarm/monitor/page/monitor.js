@@ -9,7 +9,10 @@ const LAYOUT = {
   margin: { l: 56, r: 16, t: 36, b: 44 }, font: { size: 12 }, hovermode: "closest",
   legend: { orientation: "h", y: -0.25 }, paper_bgcolor: "#fff", plot_bgcolor: "#fff",
 };
-let windowName = "hour";
+// the window of the plots over time: ?window=day in the page's address chooses it (a link to share)
+const WINDOWS = ["hour", "day", "week", "all"];
+let windowName = new URLSearchParams(location.search).get("window");
+if (!WINDOWS.includes(windowName)) windowName = "hour";
 
 function escapeForPlotly(text) {
   return String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
@@ -219,8 +222,10 @@ async function refresh() {
 }
 
 for (const button of document.querySelectorAll("#windows button")) {
+  button.classList.toggle("selected", button.dataset.window === windowName);
   button.addEventListener("click", () => {
     windowName = button.dataset.window;
+    window.history.replaceState(null, "", `?window=${windowName}`);
     for (const other of document.querySelectorAll("#windows button")) other.classList.toggle("selected", other === button);
     refresh();
   });
