@@ -127,7 +127,9 @@ async def run_demo(
     for k in range(args.peers):
         # its own session: Ctrl-C reaches only the demo, which then stops every peer cleanly
         name = ["--public-name", f"demo-peer-{k}"]  # how the monitor's leaderboard shows it
-        peers.append(processes.start_local_peer(manifest_path, k % manifest.num_stages, logs / f"peer{k}.log", extra=name))
+        peers.append(
+            processes.start_local_peer(manifest_path, k % manifest.num_stages, logs / f"peer{k}.log", extra=name)
+        )
     if args.monitor is not None:
         peers.append(start_monitor(manifest_path, args.monitor, logs))  # stopped with the peers
         console.print(f"the monitor's page: {await monitor_url(peers[-1])}  (it stops with the demo)", soft_wrap=True)

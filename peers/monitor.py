@@ -49,6 +49,37 @@ exit codes: 0 stopped (Ctrl-C or SIGTERM), 2 the swarm could not be reached at s
 """
 
 
+REJOIN_AFTER = 10.0  # seconds of an unreachable swarm before the monitor joins its DHT again, and between tries
+
+
+class SwarmConnection:
+    """The monitor's DHT node, which it replaces when the swarm has been unreachable for a while: a client-mode
+    node whose every neighbour left knows nobody any more, even when peers come back at the initial addresses."""
+
+    def __init__(self, initial_peers: list[str], secret):
+        self.initial_peers, self.secret = initial_peers, secret
+        self.dht = self._start()
+        self.manifest: Manifest | None = None
+
+    def _start(self):
+        return joining.start_dht(self.initial_peers, [], client_mode=True, no_listen=True, secret=self.secret)
+
+    async def rejoin(self) -> bool:
+        """Join again through the initial peers; False (the old node kept) if none of them answers."""
+        try:
+            dht = await asyncio.to_thread(self._start)
+        except SwarmError:
+            return False
+        if self.manifest is not None:
+            joining.sign_records(dht, self.manifest, None)
+        old, self.dht = self.dht, dht
+        await asyncio.to_thread(old.shutdown)
+        return True
+
+    def shutdown(self) -> None:
+        self.dht.shutdown()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="swarm-monitor",
@@ -81,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: the finally below stops the DHT and its daemon
     runtime.setup_logging("ERROR")  # hivemind's chatter about peers that left is not the monitor's news
     logging.getLogger("swarm").setLevel(logging.WARNING)
-    dht = None
+    connection = None
     try:
         manifest = joining.read_join(args.join)  # None: --join names a peer, which hands out the manifest
         initial_peers = joining.bootstrap_peers(args.join, manifest)
@@ -90,32 +121,30 @@ def main(argv: list[str] | None = None) -> int:
                 "the manifest lists no initial peers, so there is no swarm to reach; use the manifest that the "
                 "swarm's first peer wrote (swarm-peer --new-swarm), or --join the multiaddr of a running peer"
             )
-        dht = joining.start_dht(
-            initial_peers, [], client_mode=True, no_listen=True, secret=manifest.secret if manifest else None
-        )
-        return asyncio.run(run(args, manifest, dht))
+        connection = SwarmConnection(initial_peers, manifest.secret if manifest else None)
+        return asyncio.run(run(args, manifest, connection))
     except SwarmError as e:
         print(f"swarm-monitor: error: {e}", file=sys.stderr)
         return UNREACHABLE
     except KeyboardInterrupt:
         return 0
     finally:
-        if dht is not None:
-            dht.shutdown()
+        if connection is not None:
+            connection.shutdown()
 
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-async def run(args: argparse.Namespace, manifest: Manifest | None, dht) -> int:
-    if manifest is not None:
-        return await monitor(args, manifest, dht)
-    p2p = await dht.replicate_p2p()
-    try:
-        return await monitor(args, await joining.manifest_through_peer(p2p, args.join, manifest), dht)
-    finally:
-        await p2p.shutdown()  # else its p2pclient socket file stays behind in /tmp
+async def run(args: argparse.Namespace, manifest: Manifest | None, connection: SwarmConnection) -> int:
+    if manifest is None:
+        p2p = await connection.dht.replicate_p2p()
+        try:
+            manifest = await joining.manifest_through_peer(p2p, args.join, manifest)
+        finally:
+            await p2p.shutdown()  # else its p2pclient socket file stays behind in /tmp
+    return await monitor(args, manifest, connection)
 
 
 def make_trackers(args: argparse.Namespace, manifest: Manifest) -> Trackers:
@@ -128,10 +157,11 @@ def make_trackers(args: argparse.Namespace, manifest: Manifest) -> Trackers:
     return Trackers(trackers)
 
 
-async def monitor(args: argparse.Namespace, manifest: Manifest, dht) -> int:
-    joining.sign_records(dht, manifest, None)  # a reader: it checks every record's signature, writes none
+async def monitor(args: argparse.Namespace, manifest: Manifest, connection: SwarmConnection) -> int:
+    connection.manifest = manifest
+    joining.sign_records(connection.dht, manifest, None)  # a reader: it checks every record's signature, writes none
     view = SwarmView(manifest, args.join)
-    document, reports = await view.read(dht)  # the first read must work: else exit 2
+    document, reports = await view.read(connection.dht)  # the first read must work: else exit 2
     reachable = found_anyone(document)
     history = History(args.history or default_history_path(manifest.swarm_id), manifest.swarm_id)
     trackers = None
@@ -149,7 +179,7 @@ async def monitor(args: argparse.Namespace, manifest: Manifest, dht) -> int:
         else:
             print(f"swarm-monitor: watching swarm {manifest.name} (id {manifest.swarm_id}); the page: {server.url}")
             print(f"  history: {history.path} ({where['samples']} samples so far); Ctrl-C to stop", flush=True)
-        await sample_forever(args, view, dht, state, history, leaderboard, trackers, document, reports)
+        await sample_forever(args, view, connection, state, history, leaderboard, trackers, document, reports)
     finally:
         if server is not None:
             server.stop()
@@ -162,7 +192,7 @@ async def monitor(args: argparse.Namespace, manifest: Manifest, dht) -> int:
 async def sample_forever(
     args: argparse.Namespace,
     view: SwarmView,
-    dht,
+    connection: SwarmConnection,
     state: MonitorState,
     history: History,
     leaderboard: Leaderboard,
@@ -170,8 +200,10 @@ async def sample_forever(
     document: dict[str, Any],
     reports: list,
 ) -> None:
-    """Record a sample, wait, read the swarm again; a failed read shows the swarm as unreachable, never stops."""
-    reachable, history_failing = state.reachable, False
+    """Record a sample, wait, read the swarm again; a failed read shows the swarm as unreachable, never stops.
+    After REJOIN_AFTER seconds unreachable, the monitor joins the DHT again through the initial peers."""
+    reachable, history_failing, ever_reachable = state.reachable, False, state.reachable
+    lost_since = None if reachable else time.monotonic()
     while True:
         now = time.time()
         try:
@@ -190,15 +222,25 @@ async def sample_forever(
             trackers.log(document, now)
         await asyncio.sleep(max(0.0, args.every - (time.time() - now)))
         was_reachable = reachable
+        if lost_since is not None and time.monotonic() - lost_since > REJOIN_AFTER:
+            lost_since = time.monotonic()  # the next try, if this one finds nobody, is REJOIN_AFTER from now
+            if await connection.rejoin():
+                print("swarm-monitor: joined the swarm's DHT again", file=sys.stderr, flush=True)
         try:
-            document, reports = await view.read(dht)
+            document, reports = await view.read(connection.dht)
             reachable = found_anyone(document)
             error = "" if reachable else "the DHT answered, but holds no record of the swarm's peers or trainers"
         except SwarmError as e:
             reachable, error, reports = False, str(e), []
         state.update(document, reachable, error)
+        if reachable:
+            lost_since = None
+        elif lost_since is None:
+            lost_since = time.monotonic()
         if was_reachable != reachable:
-            news = "reachable again" if reachable else f"unreachable ({error}); still trying"
+            again = " again" if ever_reachable else ""
+            ever_reachable = ever_reachable or reachable
+            news = f"reachable{again}" if reachable else f"unreachable ({error}); still trying"
             print(f"swarm-monitor: {time.strftime('%H:%M:%S')} the swarm is {news}", file=sys.stderr, flush=True)
 
 

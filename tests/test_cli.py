@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -139,14 +142,36 @@ def test_unreachable_initial_peers_fail_fast(tmp_path):
 
 
 @pytest.mark.slow(90)
-def test_demo_trains_and_reports_json():
-    code, out, elapsed = run("peers.demo", "--duration", "20", "--json", timeout=240, stdout_only=True)
-    assert code == 0, out
+def test_demo_trains_and_reports_json_with_its_monitor():
+    """swarm-demo --monitor 0: the monitor's URL is printed, its page answers while the demo trains, and it stops
+    with the demo."""
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "peers.demo", "--duration", "20", "--json", "--monitor", "0"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        url = None
+        for line in demo.stderr:  # the demo's console is stderr with --json
+            if match := re.search(r"the monitor's page: (http://127\.0\.0\.1:\d+/)", line):
+                url = match.group(1)
+                break
+        assert url, "swarm-demo --monitor printed no URL"
+        with urllib.request.urlopen(url + "api/v1/state", timeout=10) as response:
+            assert json.loads(response.read())["swarm"]["name"] == "swarm-demo"
+        threading.Thread(target=demo.stderr.read, daemon=True).start()  # keep the pipe from filling up
+        out, _ = demo.communicate(timeout=240)
+        assert demo.returncode == 0, out
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(timeout=10)
     summary = json.loads(out.strip().splitlines()[-1])
     assert {"initial_loss", "final_loss", "samples_per_second", "peers"} <= set(summary)
     assert summary["final_loss"] < summary["initial_loss"]
     assert summary["samples_per_second"] > 0
     assert sorted(p["stage"] for p in summary["peers"]) == [0, 0, 1, 1]
+    with pytest.raises(OSError):  # the monitor stopped with the demo
+        urllib.request.urlopen(url + "healthz", timeout=5)
 
 
 def _peer_children(pid: int) -> list[int]:

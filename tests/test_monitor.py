@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common import free_ports
 from conftest import ROOT, tiny_manifest_dict
 from peers import processes
 from peers.monitor import main as monitor_main
@@ -78,8 +79,22 @@ def browser():
 def test_the_monitor_of_a_live_swarm_in_a_real_browser(start_peer, write_manifest, tmp_path, capsys):
     path = write_manifest(tiny_manifest_dict(), "swarm.json")
     # alice trains slowly (a device 20 times slower) so that the cores stay free for the monitor and the browser
-    alice = start_peer(path, "--new-swarm", "--stage", "1", "--public-name", HOSTILE_NAME, "--status-every", "1",
-                       "--simulated-speed", "0.05")  # fmt: skip
+    # (a fixed identity and port: she comes back at the manifest's address after the swarm has vanished)
+    alice_flags = [
+        "--stage",
+        "1",
+        "--public-name",
+        HOSTILE_NAME,
+        "--status-every",
+        "1",
+        "--simulated-speed",
+        "0.05",
+        "--identity",
+        str(tmp_path / "alice.key"),
+        "--host-maddrs",
+        f"/ip4/127.0.0.1/tcp/{free_ports(1)[0]}",
+    ]
+    alice = start_peer(path, "--new-swarm", *alice_flags)  # fmt: skip
     alice.wait_for("serving stage 1")
     bob = start_peer(path, "--public-name", "bob", "--no-trainer")
     bob.wait_for("serving stage 0")
@@ -168,6 +183,11 @@ def test_the_monitor_of_a_live_swarm_in_a_real_browser(start_peer, write_manifes
         time.sleep(3)
         assert monitors[-1].poll() is None and get_json(url + "api/v1/state")["monitor"]["reachable"] is False
         driver.save_screenshot(str(ARTIFACTS / "monitor-unreachable.png"))
+
+        # --- alice comes back at the manifest's address: the monitor joins the DHT again and finds her
+        start_peer(path, "--new-swarm", *alice_flags).wait_for("serving stage 1")
+        wait_until(lambda: get(url + "healthz")[0] == 503, 90, "/healthz to say degraded (stage 0 unserved)")
+        assert "joined the swarm's DHT again" in monitors[-1].output()
     finally:
         if driver is not None:
             driver.quit()
