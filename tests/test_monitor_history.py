@@ -7,6 +7,7 @@ import json
 import math
 import sqlite3
 import struct
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import tiny_manifest_dict
+from swarm.errors import SwarmError
 from swarm.health import swarm_health
 from swarm.manifest import manifest_from_dict
 from swarm.monitor.history import THIN_EVERY, History, HistoryError
@@ -22,7 +24,7 @@ from swarm.monitor.leaderboard import Leaderboard, advance, disagreement
 from swarm.monitor.prometheus import swarm_metrics
 from swarm.monitor.sampling import peer_rows, stage_rows, swarm_sample
 from swarm.monitor.server import MonitorServer, MonitorState
-from swarm.monitor.trackers import TensorBoardTracker, scalars
+from swarm.monitor.trackers import TensorBoardTracker, WandbTracker, scalars
 from swarm.records import Announcement, TrainerReport, announcement_lifetime
 
 MANIFEST = manifest_from_dict(tiny_manifest_dict())  # 2 stages, announce period 1 s
@@ -244,3 +246,12 @@ def test_the_pages_routes(tmp_path):
     finally:
         server.stop()
         history.close()
+
+
+def test_a_tracker_whose_extra_is_missing_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # what `import tensorboardX` does when it is missing
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(SwarmError, match=r"pip install 'swarm\[tensorboard\]'"):
+        TensorBoardTracker(tmp_path / "tb")
+    with pytest.raises(SwarmError, match=r"pip install 'swarm\[wandb\]'"):
+        WandbTracker("project", "run", {})
