@@ -114,13 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("swarm").setLevel(logging.WARNING)
     connection = None
     try:
-        manifest = joining.read_join(args.join)  # None: --join names a peer, which hands out the manifest
-        initial_peers = joining.bootstrap_peers(args.join, manifest)
-        if not initial_peers:
-            raise SwarmError(
-                "the manifest lists no initial peers, so there is no swarm to reach; use the manifest that the "
-                "swarm's first peer wrote (swarm-peer --new-swarm), or --join the multiaddr of a running peer"
-            )
+        manifest, initial_peers = joining.reader_join(args.join)  # no manifest: --join names a peer, which has it
         connection = SwarmConnection(initial_peers, manifest.secret if manifest else None)
         return asyncio.run(run(args, manifest, connection))
     except SwarmError as e:

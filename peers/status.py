@@ -66,13 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime.setup_logging("ERROR")  # a monitor prints its view, not hivemind's chatter
     dht = None
     try:
-        manifest = joining.read_join(args.join)  # None: --join names a peer, which hands out the manifest
-        initial_peers = joining.bootstrap_peers(args.join, manifest)
-        if not initial_peers:
-            raise SwarmError(
-                "the manifest lists no initial peers, so there is no swarm to reach; use the manifest that the "
-                "swarm's first peer wrote (swarm-peer --new-swarm), or --join the multiaddr of a running peer"
-            )
+        manifest, initial_peers = joining.reader_join(args.join)  # no manifest: --join names a peer, which has it
         # a monitor accepts no connections: it only reads, over the connections it opens
         dht = joining.start_dht(
             initial_peers, [], client_mode=True, no_listen=True, secret=manifest.secret if manifest else None

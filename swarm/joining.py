@@ -10,7 +10,7 @@ from pathlib import Path
 from hivemind import DHT
 from hivemind.p2p import P2P
 
-from swarm.errors import PeerStartError
+from swarm.errors import PeerStartError, SwarmError
 from swarm.manifest import Manifest
 from swarm.manifest_loading import load_manifest
 from swarm.records import is_loopback, protected_keys
@@ -24,6 +24,19 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 def read_join(join: str) -> Manifest | None:
     """The manifest that --join names; None when it names a running peer (see `manifest_through_peer`)."""
     return None if is_peer_multiaddr(join) else load_manifest(join)
+
+
+def reader_join(join: str) -> tuple[Manifest | None, list[str]]:
+    """What a reader of a swarm (peer-status, swarm-monitor) joins through: (the manifest --join names, or None
+    when it names a peer; the peers to bootstrap from). SwarmError if there is nobody to reach."""
+    manifest = read_join(join)
+    initial_peers = bootstrap_peers(join, manifest)
+    if not initial_peers:
+        raise SwarmError(
+            "the manifest lists no initial peers, so there is no swarm to reach; use the manifest that the "
+            "swarm's first peer wrote (swarm-peer --new-swarm), or --join the multiaddr of a running peer"
+        )
+    return manifest, initial_peers
 
 
 def bootstrap_peers(join: str, manifest: Manifest | None) -> list[str]:
