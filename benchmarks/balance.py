@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from peers.processes import PeerProcess, start_local_peer, stop_peers  # noqa: E402
-from swarm import joining  # noqa: E402
+from swarm.architectures.model import build_stage  # noqa: E402
 from swarm.balancing import optimal_assignment  # noqa: E402
-from swarm.manifest import manifest_from_dict  # noqa: E402
-from swarm.model import build_stage  # noqa: E402
+from swarm.dht import joining  # noqa: E402
+from swarm.manifests.manifest import manifest_from_dict  # noqa: E402
 from swarm.throughput import cached_compute_throughput  # noqa: E402
 
 STAGES = 4

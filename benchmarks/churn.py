@@ -83,11 +83,11 @@ from benchmarks.common import (  # noqa: E402
 )
 from peers import processes, runtime  # noqa: E402
 from peers.processes import PeerProcess  # noqa: E402
-from swarm import joining  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
-from swarm.data import TextData  # noqa: E402
-from swarm.manifest import Manifest, manifest_from_dict  # noqa: E402
-from swarm.records import Announcement, PeerState, announcement_lifetime, fetch_announcements  # noqa: E402
+from swarm.dataset.shards import TextData  # noqa: E402
+from swarm.dht import joining  # noqa: E402
+from swarm.dht.records import Announcement, PeerState, announcement_lifetime, fetch_announcements  # noqa: E402
+from swarm.manifests.manifest import Manifest, manifest_from_dict  # noqa: E402
 from swarm.routing import Router  # noqa: E402
 
 CHECKPOINT_EVERY = 10.0  # seconds between a peer's checkpoints

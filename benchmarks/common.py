@@ -28,14 +28,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from swarm import PROTOCOL_VERSION  # noqa: E402
+from swarm.architectures.model import build_full_model  # noqa: E402
+from swarm.client.export import assemble_full_state, stage_parameters  # noqa: E402
 from swarm.client.rpc import download_state  # noqa: E402
-from swarm.data import TextData, heldout_batches  # noqa: E402
-from swarm.export import assemble_full_state, stage_parameters  # noqa: E402
-from swarm.manifest import Manifest, manifest_from_dict  # noqa: E402
-from swarm.model import build_full_model  # noqa: E402
-from swarm.presets import new_manifest  # noqa: E402
-from swarm.records import Announcement, PeerState, fetch_announcements  # noqa: E402
-from swarm.server.state import stage_state_shapes  # noqa: E402
+from swarm.dataset.shards import TextData, heldout_batches  # noqa: E402
+from swarm.dht.records import Announcement, PeerState, fetch_announcements  # noqa: E402
+from swarm.manifests.manifest import Manifest, manifest_from_dict  # noqa: E402
+from swarm.manifests.presets import new_manifest  # noqa: E402
+from swarm.server.stage_state import stage_state_shapes  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ manifests
 

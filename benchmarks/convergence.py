@@ -26,7 +26,7 @@ would have sent (each replica 2(n-1)/n x 4 bytes x its stage's parameters per op
 over what was sent. Rounds: per swarm run, the peers' averaging-round events by outcome (applied, skipped,
 dropped, alone, caught_up) and the stage states taken to catch up, summed over the peers.
 
-Links: with --links, every stage peer sits behind an emulated home link (swarm/emulated_links.py; the delay is
+Links: with --links, every stage peer sits behind an emulated home link (swarm/network/emulated_links.py; the delay is
 one-way per link, a path between two peers crosses two); rounds_succeeded is applied / (applied + skipped +
 dropped) over the peers' rounds.
 
@@ -64,13 +64,13 @@ from benchmarks.common import (  # noqa: E402
 )
 from peers import runtime  # noqa: E402
 from peers.processes import start_local_peer, stop_peers  # noqa: E402
-from swarm import joining  # noqa: E402
+from swarm.architectures.model import build_full_model, build_stage, count_parameters  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
-from swarm.data import TextData, sample_batch  # noqa: E402
-from swarm.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
-from swarm.manifest import Manifest  # noqa: E402
-from swarm.manifest_loading import load_manifest  # noqa: E402
-from swarm.model import build_full_model, build_stage, count_parameters  # noqa: E402
+from swarm.dataset.shards import TextData, sample_batch  # noqa: E402
+from swarm.dht import joining  # noqa: E402
+from swarm.manifests.loading import load_manifest  # noqa: E402
+from swarm.manifests.manifest import Manifest  # noqa: E402
+from swarm.network.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
 
 REPLICAS = 2
 EVAL_BATCHES = 16

@@ -2,7 +2,7 @@
 
     python benchmarks/link_calls.py [--link 20mbit/25ms]
 
-Two hivemind P2P nodes, each behind its own emulated link (swarm/emulated_links.py), so a path crosses two links
+Two hivemind P2P nodes, each behind its own emulated link (swarm/network/emulated_links.py), so a path crosses two links
 (one-way delay: both ends' delays; bandwidth: the smaller). The second node calls a protobuf handler of the first
 with requests of several sizes, one at a time, then four at once. Prints one JSON line: per size the measured
 milliseconds and the ideal (round trip + size over the link's rate), and their ratio, so that the cost of libp2p's
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hivemind.p2p import P2P  # noqa: E402
 from hivemind.proto import runtime_pb2  # noqa: E402
 
-from swarm.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
+from swarm.network.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
 
 SIZES = [100, 65536, 262144, 1048576]  # a unary call carries at most 4 MiB
 CONCURRENT = 4

@@ -44,13 +44,14 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import benchmark_manifest, stop_on_sigterm  # noqa: E402
 from peers import processes, runtime  # noqa: E402
 from peers.processes import PeerProcess, memory_mb, peer_processes, stop_peers  # noqa: E402
-from swarm import joining, protocol  # noqa: E402
 from swarm.client.rpc import call_stage  # noqa: E402
 from swarm.client.trainer import NO_PEER_WAIT  # noqa: E402
+from swarm.dht import joining  # noqa: E402
 from swarm.errors import RemoteStageError  # noqa: E402
-from swarm.manifest import Manifest  # noqa: E402
+from swarm.manifests.manifest import Manifest  # noqa: E402
 from swarm.server import admission  # noqa: E402
 from swarm.server.admission import MAX_PENDING_REQUESTS  # noqa: E402
+from swarm.wire import protocol  # noqa: E402
 
 MEMORY_PERIOD = 0.5  # seconds between two samples of the peer's memory
 PROGRESS_PERIOD = 10.0

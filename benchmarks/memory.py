@@ -30,9 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from swarm.model import build_stage, count_parameters  # noqa: E402
-from swarm.presets import new_manifest  # noqa: E402
-from swarm.server.state import make_optimizer  # noqa: E402
+from swarm.architectures.model import build_stage, count_parameters  # noqa: E402
+from swarm.manifests.presets import new_manifest  # noqa: E402
+from swarm.server.stage_state import make_optimizer  # noqa: E402
 
 
 def current_rss() -> int:

@@ -36,17 +36,17 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import download_parameters, online_by_stage, stop_on_sigterm, wait_online  # noqa: E402
 from peers.processes import start_local_peer, stop_peers  # noqa: E402
-from swarm import joining  # noqa: E402
+from swarm.architectures.model import build_full_model, count_parameters  # noqa: E402
+from swarm.client.export import assemble_full_state  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
-from swarm.corpus import ensure_prepared  # noqa: E402
-from swarm.data import TokenShards, TrainingStream  # noqa: E402
-from swarm.documents import training_texts  # noqa: E402
-from swarm.export import assemble_full_state  # noqa: E402
-from swarm.manifest import Manifest  # noqa: E402
-from swarm.model import build_full_model, count_parameters  # noqa: E402
-from swarm.presets import new_manifest  # noqa: E402
-from swarm.server.state import make_optimizer  # noqa: E402
-from swarm.tokenizer import Tokenizer, byte_tokenizer, train_tokenizer  # noqa: E402
+from swarm.dataset.corpus import ensure_prepared  # noqa: E402
+from swarm.dataset.documents import training_texts  # noqa: E402
+from swarm.dataset.shards import TokenShards, TrainingStream  # noqa: E402
+from swarm.dataset.tokenizer import Tokenizer, byte_tokenizer, train_tokenizer  # noqa: E402
+from swarm.dht import joining  # noqa: E402
+from swarm.manifests.manifest import Manifest  # noqa: E402
+from swarm.manifests.presets import new_manifest  # noqa: E402
+from swarm.server.stage_state import make_optimizer  # noqa: E402
 
 PRESETS = {"gpt": "tiny", "llama": "llama-tiny"}
 EVAL_WINDOWS = 96

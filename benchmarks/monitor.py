@@ -30,12 +30,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import tiny_manifest_dict  # noqa: E402
 from peers import processes  # noqa: E402
-from swarm.health import swarm_health  # noqa: E402
-from swarm.manifest_loading import load_manifest  # noqa: E402
+from swarm.dht.records import Announcement, TrainerReport, announcement_lifetime  # noqa: E402
+from swarm.manifests.loading import load_manifest  # noqa: E402
 from swarm.monitor.history import THINNING, History  # noqa: E402
 from swarm.monitor.leaderboard import Leaderboard  # noqa: E402
 from swarm.monitor.sampling import peer_rows, stage_rows, swarm_sample  # noqa: E402
-from swarm.records import Announcement, TrainerReport, announcement_lifetime  # noqa: E402
+from swarm.watch.status import swarm_health  # noqa: E402
 
 PERIOD = 5.0  # seconds between samples, the monitor's default
 
@@ -168,7 +168,7 @@ def main() -> None:
 
         monitor_args = ["--join", str(manifest_path), "--port", "0", "--history", str(work / "history.sqlite"),
                         "--json", "--every", "1"]  # fmt: skip
-        monitor = processes.start_peer(monitor_args, work / "monitor.log", work / "cache", module="peers.monitor")
+        monitor = processes.start_peer(monitor_args, work / "monitor.log", work / "cache", module="peers.swarm_monitor")
         started.append(monitor)
         where = monitor.wait_for_json(lambda line: "url" in line, timeout=60, what="the monitor's URL")
         result["history_samples_at_start"] = where["samples"]

@@ -29,13 +29,13 @@ sys.path.insert(0, str(ROOT))
 
 from peers import runtime  # noqa: E402
 from peers.processes import start_local_peer, stop_peers  # noqa: E402
-from swarm import joining  # noqa: E402
+from swarm.architectures.model import build_full_model  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
-from swarm.data import TextData, sample_batch  # noqa: E402
-from swarm.manifest import Manifest  # noqa: E402
-from swarm.manifest_loading import load_manifest  # noqa: E402
-from swarm.model import build_full_model  # noqa: E402
-from swarm.records import PeerState, fetch_announcements  # noqa: E402
+from swarm.dataset.shards import TextData, sample_batch  # noqa: E402
+from swarm.dht import joining  # noqa: E402
+from swarm.dht.records import PeerState, fetch_announcements  # noqa: E402
+from swarm.manifests.loading import load_manifest  # noqa: E402
+from swarm.manifests.manifest import Manifest  # noqa: E402
 
 
 def peak_memory_mb(pid: int) -> float:

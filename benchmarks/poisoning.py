@@ -5,7 +5,7 @@
 
 Four replicas of the tiny test model (the whole model as one stage), each with its own AdamW and data shard, in
 this process; their StageAveragers (hivemind DecentralizedAverager processes, loopback) average their parameters
-after every `--steps-per-round` local steps, with the robust all-reduce (swarm/robust_allreduce.py). One replica
+after every `--steps-per-round` local steps, with the robust all-reduce (swarm/averaging/robust_allreduce.py). One replica
 is the attacker: before every round it replaces what it sends with, by attack,
 
 - none: nothing (an honest fourth replica: the baseline),
@@ -36,12 +36,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import heldout_loss, tiny_manifest_dict  # noqa: E402
-from swarm import joining  # noqa: E402
-from swarm.averaging import AveragingError  # noqa: E402
-from swarm.data import TextData, heldout_batches, sample_batch  # noqa: E402
-from swarm.manifest import Manifest, manifest_from_dict  # noqa: E402
-from swarm.model import build_full_model  # noqa: E402
-from swarm.stage_averager import StageAverager  # noqa: E402
+from swarm.architectures.model import build_full_model  # noqa: E402
+from swarm.averaging.averager import StageAverager  # noqa: E402
+from swarm.averaging.rules import AveragingError  # noqa: E402
+from swarm.dataset.shards import TextData, heldout_batches, sample_batch  # noqa: E402
+from swarm.dht import joining  # noqa: E402
+from swarm.manifests.manifest import Manifest, manifest_from_dict  # noqa: E402
 
 REPLICAS = 4
 ATTACKER = REPLICAS - 1

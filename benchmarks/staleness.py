@@ -8,7 +8,7 @@ Stage 0 runs forward for a microbatch, and its backward only once `window` micro
 pipeline whose round trip spans `window` microbatches; the last stage runs forward and backward at once. No network,
 so the figure is the optimisation's alone: the held-out loss at the end (64 fixed held-out microbatches), the mean
 train loss of the last 20 microbatches, and stage 0's measured delay in optimizer steps. Activations and gradients
-pass through the wire encoding (swarm/protocol.py) between the stages, as they would between peers, in the
+pass through the wire encoding (swarm/wire/protocol.py) between the stages, as they would between peers, in the
 manifest's activation_compression or --activation-compression. Prints one JSON line.
 """
 
@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarm import protocol  # noqa: E402
-from swarm.data import TextData, heldout_batches, sample_batch  # noqa: E402
-from swarm.manifest import manifest_from_dict  # noqa: E402
-from swarm.model import build_stage  # noqa: E402
+from swarm.architectures.model import build_stage  # noqa: E402
+from swarm.dataset.shards import TextData, heldout_batches, sample_batch  # noqa: E402
+from swarm.manifests.manifest import manifest_from_dict  # noqa: E402
 from swarm.server.compute import StageCompute  # noqa: E402
+from swarm.wire import protocol  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,7 @@
     python benchmarks/wan.py [--seconds 40] [--settings unshaped,nanogpt,...] [--pipelines forward,relay]
                              [--activation-compression float32|float16|8bit] [--window 16] [--fixed-window]
 
-Each peer (one per stage, a second one on stage 1 in the hetero settings, and two trainer-only peers) sits behind its own emulated link (swarm/emulated_links.py:
+Each peer (one per stage, a second one on stage 1 in the hetero settings, and two trainer-only peers) sits behind its own emulated link (swarm/network/emulated_links.py:
 bandwidth per direction, one-way delay; a path between two peers crosses both their links). For each setting and
 pipeline (`forward`: stages pass activations to each other; `relay`: the trainer carries them, the protocol before
 issue 14) it prints one JSON line:
@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import stop_on_sigterm  # noqa: E402
 from peers import processes  # noqa: E402
-from swarm.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
-from swarm.manifest import COMPRESSIONS, manifest_from_dict  # noqa: E402
-from swarm.manifest_loading import write_manifest  # noqa: E402
-from swarm.presets import new_manifest  # noqa: E402
+from swarm.manifests.loading import write_manifest  # noqa: E402
+from swarm.manifests.manifest import COMPRESSIONS, manifest_from_dict  # noqa: E402
+from swarm.manifests.presets import new_manifest  # noqa: E402
+from swarm.network.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
 
 STAGES = 3
 TRAINERS = 2

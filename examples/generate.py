@@ -1,6 +1,6 @@
 """Sample text from a model exported with swarm-export.
 
-The file's metadata holds the model config: the model is rebuilt with swarm.model.build_full_model, its
+The file's metadata holds the model config: the model is rebuilt with swarm.architectures.model.build_full_model, its
 weights loaded strictly (every parameter present, no extra one, same shapes), and text sampled byte by byte
 (the vocabulary is bytes: the prompt is encoded as UTF-8, the output decoded with invalid sequences replaced).
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from swarm.architectures.model import StageModel, build_full_model
 from swarm.errors import ManifestError, SwarmError
-from swarm.manifest import ModelConfig, manifest_from_dict
-from swarm.model import StageModel, build_full_model
+from swarm.manifests.manifest import ModelConfig, manifest_from_dict
 
 EXAMPLES = """\
 examples:

@@ -191,9 +191,9 @@ def start_peer(
     log_path: Path,
     cache_dir: Path | None = None,
     env: dict[str, str] | None = None,
-    module: str = "peers.peer",
+    module: str = "peers.swarm_peer",
 ) -> PeerProcess:
-    """Start `python -m peers.peer ARGS` (or another `module` with swarm-peer's flags) in a session (process group) of its own, unbuffered, its stdout and
+    """Start `python -m peers.swarm_peer ARGS` (or another `module` with swarm-peer's flags) in a session (process group) of its own, unbuffered, its stdout and
     stderr into `log_path`; with `cache_dir`, its measured throughputs are cached there (SWARM_CACHE_DIR), not in
     the user's cache. Its own session: a Ctrl-C in a terminal reaches only the program that started it, which
     then stops it cleanly (stop_peers), and a kill takes its DHT process and p2pd daemon with it."""

@@ -8,7 +8,8 @@ PROTOCOL_VERSION = 7
 
 import warnings  # noqa: E402
 
-from swarm import hivemind_limits, quantization  # noqa: E402, F401 (limits on hivemind's reading; a 4-bit codec)
+from swarm.averaging import quantization  # noqa: E402 (a 4-bit codec)
+from swarm.trust import hivemind_limits  # noqa: E402, F401 (limits on hivemind's reading)
 
 quantization.install()
 

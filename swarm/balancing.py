@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.records import Announcement, PeerState
+from swarm.dht.records import Announcement, PeerState
 
 EXACT_LIMIT = 18  # optimal_assignment is exact up to this many peers: worst case measured ~0.35 s (2 stages)
 

@@ -32,7 +32,7 @@ class StateSource(StrEnum):
     PEER = "peer"  # downloaded from an online peer of the stage
     CHECKPOINT = "checkpoint"  # this peer's own checkpoint of the stage
     FRESH = "fresh"  # nobody had it: the seed initialisation
-    PRETRAINED = "pretrained"  # nobody had it: the swarm's pretrained model (swarm/pretrained.py)
+    PRETRAINED = "pretrained"  # nobody had it: the swarm's pretrained model (swarm/hf/pretrained.py)
 
 
 class RoundOutcome(StrEnum):

@@ -2,7 +2,7 @@
 
 The parts: the reachability service (it answers other peers' "can you dial me?"), a reverse connector when
 others cannot dial this peer, the Prometheus metrics endpoint if asked for, the rebalancer (which serves a stage
-and moves between stages) and the trainer. The program (peers/peer.py) parses flags, prints, and calls
+and moves between stages) and the trainer. The program (peers/swarm_peer.py) parses flags, prints, and calls
 `start_services`, `join`, `check` and `shutdown`; everything the peer reports comes back through callbacks.
 """
 
@@ -17,19 +17,19 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 
-from swarm import tokenizer_source
 from swarm.client.checks import CHECK_FRACTION
 from swarm.client.pinger import Pinger
 from swarm.client.trainer import Trainer
-from swarm.data import TokenShards, TrainingStream, open_swarm_data
+from swarm.dataset import tokenizer_source
+from swarm.dataset.shards import TokenShards, TrainingStream, open_swarm_data
+from swarm.dataset.tokenizer import Tokenizer
 from swarm.events import OnEvent, ignore
-from swarm.manifest import Manifest
-from swarm.metrics import MetricsServer, start_metrics_server
+from swarm.manifests.manifest import Manifest
 from swarm.server import reachability
 from swarm.server.reachability import ReachabilityService, ReverseConnector
 from swarm.server.rebalancer import Rebalancer
 from swarm.server.stage import ServingOptions, StageServer
-from swarm.tokenizer import Tokenizer
+from swarm.watch.metrics import MetricsServer, start_metrics_server
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A route's expected time (`Router.choose_route`) adds, hop by hop, the queueing and compute at each peer
 ((samples outstanding there + the new ones) x its compute seconds per sample, from the hop timings of replies)
 and the transfer between consecutive hops: the transfer this router observed between those two peers (an EMA),
-or else an estimate: the round trip between their network coordinates (swarm/coordinates.py) plus the samples
+or else an estimate: the round trip between their network coordinates (swarm/network/coordinates.py) plus the samples
 over the slower end's announced network throughput. The best route is found exactly, stage by stage (a shortest
 path through the stages' peers). With `network_aware=False` the transfers count for nothing (latency-blind, to
 compare against).
@@ -23,8 +23,8 @@ import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from swarm.coordinates import Coordinate, round_trip
-from swarm.records import Announcement, PeerState
+from swarm.dht.records import Announcement, PeerState
+from swarm.network.coordinates import Coordinate, round_trip
 
 ORIGIN = ""  # the trainer itself, as the first end of the transfer to stage 0
 

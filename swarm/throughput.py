@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from swarm import protocol
+from swarm.architectures.model import StageModel
 from swarm.files import atomic_write
-from swarm.manifest import Manifest
-from swarm.model import StageModel
+from swarm.manifests.manifest import Manifest
+from swarm.wire import protocol
 
 logger = logging.getLogger(__name__)
 

@@ -107,7 +107,7 @@ def start_peer(tmp_path):
     started: list[PeerProcess] = []
 
     def start(
-        manifest_path: Path, *flags: str, cache_dir: Path | None = None, module: str = "peers.peer"
+        manifest_path: Path, *flags: str, cache_dir: Path | None = None, module: str = "peers.swarm_peer"
     ) -> PeerProcess:
         # --duration: even a peer orphaned by a killed test run stops by itself
         args = [*processes.loopback_args(manifest_path), "--duration", "900", *flags]

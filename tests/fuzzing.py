@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import tiny_manifest_dict
-from swarm.manifest import manifest_from_dict
+from swarm.manifests.manifest import manifest_from_dict
 
 CASES: collections.Counter[str] = collections.Counter()  # cases tried, by kind; printed at the end (pytest -s)
 LOST: collections.Counter[str] = collections.Counter()  # replies that did not come the first time

@@ -25,7 +25,6 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from conftest import LOOPBACK, client_dht, tiny_manifest_dict
-from swarm import joining
 from swarm.client.checks import (
     CONVICTING_PARTNERS,
     MAX_PRINT_GAP,
@@ -38,10 +37,11 @@ from swarm.client.checks import (
     gradient_prints,
     losses_disagree,
 )
-from swarm.manifest import manifest_from_dict
-from swarm.protocol import HopTiming
-from swarm.records import fetch_announcements, stage_key
+from swarm.dht import joining
+from swarm.dht.records import fetch_announcements, stage_key
+from swarm.manifests.manifest import manifest_from_dict
 from swarm.server.reachability import check_reachability
+from swarm.wire.protocol import HopTiming
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,11 +9,17 @@ import pytest
 import torch
 
 from conftest import tiny_manifest_dict
+from swarm.architectures.model import (
+    StageModel,
+    build_full_model,
+    build_stage,
+    count_parameters,
+    count_stage_parameters,
+)
 from swarm.errors import ManifestError
-from swarm.huggingface import from_hf_state, hf_config, to_hf_state
-from swarm.manifest import ModelConfig, manifest_from_dict
-from swarm.model import StageModel, build_full_model, build_stage, count_parameters, count_stage_parameters
-from swarm.presets import new_manifest
+from swarm.hf.format import from_hf_state, hf_config, to_hf_state
+from swarm.manifests.manifest import ModelConfig, manifest_from_dict
+from swarm.manifests.presets import new_manifest
 
 transformers = pytest.importorskip("transformers")
 
@@ -177,7 +183,7 @@ def test_published_swarms_keep_their_ids():
     before keeps its swarm id (a URL's #id fragment still matches). Only a new protocol version changes it
     (protocol 7: signed records and gradient fingerprints, which a protocol-6 peer cannot read)."""
     from conftest import ROOT
-    from swarm.manifest_loading import load_manifest
+    from swarm.manifests.loading import load_manifest
 
     assert load_manifest(ROOT / "examples" / "demo.json").swarm_id == "199dee7bf0b8e87d"
     assert "precision" not in new_manifest("x", "tiny").to_dict()["training"]
@@ -186,9 +192,9 @@ def test_published_swarms_keep_their_ids():
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_chunked_loss_equals_the_loss_of_all_logits(monkeypatch, checkpointing):
-    import swarm.model
+    import swarm.architectures.model
 
-    monkeypatch.setattr(swarm.model, "LOSS_CHUNK_TOKENS", 50)  # 4 x 32 tokens: three chunks, the last one short
+    monkeypatch.setattr(swarm.architectures.model, "LOSS_CHUNK_TOKENS", 50)  # 4 x 32 tokens: three chunks, the last one short
     config = llama_manifest().model
     last = StageModel(config, range(1, 3), first=False, last=True, activation_checkpointing=checkpointing)
     x = torch.randn(4, 32, 64, requires_grad=True)
@@ -212,7 +218,7 @@ def test_the_chunked_loss_equals_the_loss_of_all_logits(monkeypatch, checkpointi
     ],
 )
 def test_pretrained_configs_swarm_cannot_run_are_refused(change, message):
-    from swarm.huggingface import model_config_from_hf
+    from swarm.hf.format import model_config_from_hf
 
     raw = {k: v for k, v in hf_config(llama_manifest().model).items() if k != "architectures"}
     assert model_config_from_hf(raw) == llama_manifest().model  # the round trip

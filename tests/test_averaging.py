@@ -10,7 +10,10 @@ import torch
 from hivemind import DHT
 
 from conftest import LOOPBACK, tiny_manifest_dict
-from swarm.averaging import (
+from swarm.architectures.model import build_stage
+from swarm.averaging.averager import StageAverager
+from swarm.averaging.robust_allreduce import RobustReducer
+from swarm.averaging.rules import (
     AveragingError,
     RoundProgress,
     RoundTiming,
@@ -20,11 +23,8 @@ from swarm.averaging import (
     round_payload_bytes,
     swarm_samples_in_round,
 )
-from swarm.manifest import manifest_from_dict
-from swarm.manifest_loading import load_manifest
-from swarm.model import build_stage
-from swarm.robust_allreduce import RobustReducer
-from swarm.stage_averager import StageAverager
+from swarm.manifests.loading import load_manifest
+from swarm.manifests.manifest import manifest_from_dict
 
 # ------------------------------------------------------------------------------------------- pure logic
 
@@ -235,7 +235,7 @@ def test_diloco_round_at_4_bits_applies_the_mean_pseudo_gradient_within_its_quan
         for _, averager in replicas:
             # each contribution and the reduced mean are quantized (about 11% error each)
             assert _distance(averager.anchor, expected) < 0.25 * step
-        # one anchor for all replicas, bit for bit, even through a lossy codec (swarm/identical_allreduce.py)
+        # one anchor for all replicas, bit for bit, even through a lossy codec (swarm/averaging/identical_allreduce.py)
         assert all(torch.equal(x, y) for x, y in zip(replicas[0][1].anchor, replicas[1][1].anchor))
     finally:
         for _, averager in replicas:
@@ -245,7 +245,7 @@ def test_diloco_round_at_4_bits_applies_the_mean_pseudo_gradient_within_its_quan
 def test_the_4_bit_codec_round_trips_within_its_error_and_refuses_malformed_parts():
     from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
-    from swarm.quantization import Uniform4BitQuantization, encoded_bytes
+    from swarm.averaging.quantization import Uniform4BitQuantization, encoded_bytes
 
     torch.manual_seed(0)
     values = torch.randn(3, 1001) * 0.01

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import client_dht, tiny_manifest_dict
-from swarm import protocol
 from swarm.client.rpc import call_stage, download_state
-from swarm.manifest import manifest_from_dict
-from swarm.records import fetch_announcements
-from swarm.server.state import stage_state_shapes
+from swarm.dht.records import fetch_announcements
+from swarm.manifests.manifest import manifest_from_dict
+from swarm.server.stage_state import stage_state_shapes
+from swarm.wire import protocol
 
 pytestmark = pytest.mark.integration
 

@@ -367,7 +367,7 @@ def test_naive_rule_oscillates_where_the_plan_settles(concurrent):
 
 def test_announcements_become_loads_joining_and_pinned_peers_included_but_not_movable():
     from swarm.balancing import peer_loads
-    from swarm.records import Announcement
+    from swarm.dht.records import Announcement
 
     def ann(peer_id: str, state: str, pinned: bool = False, expiration: float = 100.0) -> Announcement:
         return Announcement(peer_id, 0, state, 5.0, pinned=pinned, expiration=expiration)

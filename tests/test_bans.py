@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from swarm.bans import BAD_REQUEST_WINDOW, BAD_REQUESTS_BEFORE_BAN, FIRST_BAN, FORGIVE_AFTER, MAX_BAN, Bans
+from swarm.trust.bans import BAD_REQUEST_WINDOW, BAD_REQUESTS_BEFORE_BAN, FIRST_BAN, FORGIVE_AFTER, MAX_BAN, Bans
 
 
 def offend(bans: Bans, peer: str, now: float, count: int = BAD_REQUESTS_BEFORE_BAN) -> float:
@@ -42,9 +42,9 @@ def test_requests_in_flight_when_the_ban_began_do_not_lengthen_it():
 
 
 def test_the_table_is_bounded(monkeypatch):
-    import swarm.bans
+    import swarm.trust.bans
 
-    monkeypatch.setattr(swarm.bans, "MAX_TRACKED", 50)
+    monkeypatch.setattr(swarm.trust.bans, "MAX_TRACKED", 50)
     bans = Bans()
     for i in range(500):
         bans.record_bad_request(f"peer{i}", float(i))

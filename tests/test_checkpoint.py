@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import tiny_manifest_dict
-from swarm.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+from swarm.architectures.model import build_stage
 from swarm.errors import BadRequestError
-from swarm.manifest import manifest_from_dict
-from swarm.model import build_stage
+from swarm.manifests.manifest import manifest_from_dict
+from swarm.server.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
 from swarm.server.compute import StageCompute
 
 

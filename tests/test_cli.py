@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, group_alive, live_processes, tiny_manifest_dict
-from peers.demo import main as demo_main
-from peers.peer import main as peer_main
-from peers.peer import parse_args as peer_parse_args
+from peers.swarm_demo import main as demo_main
+from peers.swarm_peer import main as peer_main
+from peers.swarm_peer import parse_args as peer_parse_args
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +45,7 @@ def in_process(module: str, args: list[str], capsys) -> tuple[int, str]:
     its own, seconds of imports apiece, shows nothing more): its exit status and what it printed. swarm-demo's
     main() runs until its manifest is read: it starts its DHT only after that."""
     try:
-        if module == "peers.peer":
+        if module == "peers.swarm_peer":
             peer_parse_args(args)  # returns if it accepts the flags: then there is no exit status
             code = None
         else:
@@ -57,7 +57,7 @@ def in_process(module: str, args: list[str], capsys) -> tuple[int, str]:
 
 
 def test_help_shows_examples(capsys):
-    for module in ("peers.peer", "peers.demo"):
+    for module in ("peers.swarm_peer", "peers.swarm_demo"):
         code, out = in_process(module, ["--help"], capsys)
         assert code == 0 and "examples:" in out
 
@@ -81,7 +81,7 @@ def test_bad_input_gets_a_clear_error(tmp_path, capsys, manifest, flags, expecte
         path.write_text(json.dumps(tiny_manifest_dict(**manifest)))
     args = ["--join", str(path), "--no-trainer", *flags]
     if process:
-        code, out, elapsed = run("peers.peer", *args)
+        code, out, elapsed = run("peers.swarm_peer", *args)
     else:
         begin = time.monotonic()
         code = peer_main(args)
@@ -96,33 +96,33 @@ def test_bad_input_gets_a_clear_error(tmp_path, capsys, manifest, flags, expecte
 @pytest.mark.parametrize(
     "module,flags,expected",
     [
-        ("peers.peer", ["--threads", "0"], "--threads must be at least 1"),
-        ("peers.peer", ["--duration", "0"], "--duration must be positive"),
-        ("peers.peer", ["--status-every", "-1"], "--status-every must be positive"),
-        ("peers.peer", ["--device", "tpu"], "invalid choice"),
-        ("peers.peer", ["--throughput", "fast"], "--throughput must be auto, eval or a number"),
-        ("peers.peer", ["--throughput", "-3"], "--throughput must be auto, eval or a number"),
-        ("peers.peer", ["--throughput", "nan"], "--throughput must be auto, eval or a number"),
-        ("peers.peer", ["--throughput", "1e300"], "--throughput must be auto, eval or a number"),
-        ("peers.peer", ["--bandwidth", "0"], "--bandwidth must be a positive number"),
-        ("peers.peer", ["--simulated-speed", "2"], "--simulated-speed must be in (0, 1]"),
-        ("peers.peer", ["--simulated-speed", "0"], "--simulated-speed must be in (0, 1]"),
-        ("peers.peer", ["--public-name", "x" * 65], "--public-name must be at most 64"),
-        ("peers.peer", ["--public-name", "bell\a"], "--public-name must be at most 64"),
-        ("peers.peer", ["--no-listen", "--new-swarm"], "--no-listen: nobody could join through this peer"),
-        ("peers.peer", ["--metrics-host", "0.0.0.0"], "--metrics-host needs --metrics-port"),
-        ("peers.peer", ["--metrics-port", "70000"], "--metrics-port must be a port number"),
-        ("peers.peer", ["--trainer-only", "--stage", "0"], "--trainer-only trains and serves no stage"),
-        ("peers.peer", ["--trainer-only", "--no-trainer"], "--trainer-only trains and serves no stage"),
-        ("peers.demo", ["--peers", "0"], "--peers must be at least 1"),
-        ("peers.demo", ["--duration", "-5"], "--duration must be positive"),
-        ("peers.demo", ["--peers", "1"], "each needs a peer"),
+        ("peers.swarm_peer", ["--threads", "0"], "--threads must be at least 1"),
+        ("peers.swarm_peer", ["--duration", "0"], "--duration must be positive"),
+        ("peers.swarm_peer", ["--status-every", "-1"], "--status-every must be positive"),
+        ("peers.swarm_peer", ["--device", "tpu"], "invalid choice"),
+        ("peers.swarm_peer", ["--throughput", "fast"], "--throughput must be auto, eval or a number"),
+        ("peers.swarm_peer", ["--throughput", "-3"], "--throughput must be auto, eval or a number"),
+        ("peers.swarm_peer", ["--throughput", "nan"], "--throughput must be auto, eval or a number"),
+        ("peers.swarm_peer", ["--throughput", "1e300"], "--throughput must be auto, eval or a number"),
+        ("peers.swarm_peer", ["--bandwidth", "0"], "--bandwidth must be a positive number"),
+        ("peers.swarm_peer", ["--simulated-speed", "2"], "--simulated-speed must be in (0, 1]"),
+        ("peers.swarm_peer", ["--simulated-speed", "0"], "--simulated-speed must be in (0, 1]"),
+        ("peers.swarm_peer", ["--public-name", "x" * 65], "--public-name must be at most 64"),
+        ("peers.swarm_peer", ["--public-name", "bell\a"], "--public-name must be at most 64"),
+        ("peers.swarm_peer", ["--no-listen", "--new-swarm"], "--no-listen: nobody could join through this peer"),
+        ("peers.swarm_peer", ["--metrics-host", "0.0.0.0"], "--metrics-host needs --metrics-port"),
+        ("peers.swarm_peer", ["--metrics-port", "70000"], "--metrics-port must be a port number"),
+        ("peers.swarm_peer", ["--trainer-only", "--stage", "0"], "--trainer-only trains and serves no stage"),
+        ("peers.swarm_peer", ["--trainer-only", "--no-trainer"], "--trainer-only trains and serves no stage"),
+        ("peers.swarm_demo", ["--peers", "0"], "--peers must be at least 1"),
+        ("peers.swarm_demo", ["--duration", "-5"], "--duration must be positive"),
+        ("peers.swarm_demo", ["--peers", "1"], "each needs a peer"),
     ],
 )
 def test_bad_flags_are_refused(tmp_path, capsys, module, flags, expected):
     path = tmp_path / "m.json"
     path.write_text(json.dumps(tiny_manifest_dict()))
-    args = ["--join", str(path), *flags] if module == "peers.peer" else flags
+    args = ["--join", str(path), *flags] if module == "peers.swarm_peer" else flags
     code, out = in_process(module, args, capsys)
     assert code == 2
     assert expected in out
@@ -134,7 +134,7 @@ def test_unreachable_initial_peers_fail_fast(tmp_path):
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
     path = tmp_path / "m.json"
     path.write_text(json.dumps(tiny_manifest_dict(initial_peers=[dead])))
-    code, out, elapsed = run("peers.peer", "--join", str(path), "--host-maddrs", "/ip4/127.0.0.1/tcp/0")
+    code, out, elapsed = run("peers.swarm_peer", "--join", str(path), "--host-maddrs", "/ip4/127.0.0.1/tcp/0")
     assert code == 2
     assert "no initial peer could be reached" in out
     assert "Traceback" not in out
@@ -146,7 +146,7 @@ def test_demo_trains_and_reports_json_with_its_monitor():
     """swarm-demo --monitor 0: the monitor's URL is printed, its page answers while the demo trains, and it stops
     with the demo."""
     demo = subprocess.Popen(
-        [sys.executable, "-m", "peers.demo", "--duration", "20", "--json", "--monitor", "0"],
+        [sys.executable, "-m", "peers.swarm_demo", "--duration", "20", "--json", "--monitor", "0"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
@@ -175,11 +175,11 @@ def test_demo_trains_and_reports_json_with_its_monitor():
 
 
 def _peer_children(pid: int) -> list[int]:
-    """Child processes of `pid` that run peers.peer."""
+    """Child processes of `pid` that run peers.swarm_peer."""
     found = []
     for child, parent, _ in live_processes():
         try:
-            if parent == pid and b"peers.peer" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if parent == pid and b"peers.swarm_peer" in Path(f"/proc/{child}/cmdline").read_bytes():
                 found.append(child)
         except OSError:
             continue
@@ -204,7 +204,7 @@ def _serving(folder: Path | None) -> int:
 @pytest.mark.slow(75)
 def test_demo_ctrl_c_stops_every_peer():
     demo = subprocess.Popen(
-        [sys.executable, "-m", "peers.demo", "--duration", "300"],
+        [sys.executable, "-m", "peers.swarm_demo", "--duration", "300"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -237,14 +237,14 @@ def test_demo_ctrl_c_stops_every_peer():
 
 
 def test_new_swarm_needs_a_manifest_file_to_write(capsys):
-    code, out = in_process("peers.peer", ["--join", "http://127.0.0.1:9/swarm.json", "--new-swarm"], capsys)
+    code, out = in_process("peers.swarm_peer", ["--join", "http://127.0.0.1:9/swarm.json", "--new-swarm"], capsys)
     assert code == 2 and "--new-swarm writes this peer's addresses into the manifest" in out
     assert "Traceback" not in out
 
 
 def test_a_check_fraction_outside_0_to_1_is_refused(capsys):
     for value in ("-0.1", "1.5", "nan"):
-        code, out = in_process("peers.peer", ["--join", "m.json", "--check-fraction", value], capsys)
+        code, out = in_process("peers.swarm_peer", ["--join", "m.json", "--check-fraction", value], capsys)
         assert code == 2 and "--check-fraction must be between 0 and 1" in out, (value, out)
-    code, _ = in_process("peers.peer", ["--join", "m.json", "--check-fraction", "0"], capsys)
+    code, _ = in_process("peers.swarm_peer", ["--join", "m.json", "--check-fraction", "0"], capsys)
     assert code is None  # 0 turns the checks off

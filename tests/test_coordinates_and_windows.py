@@ -8,8 +8,8 @@ import random
 import pytest
 
 from swarm.client.window import AdaptiveWindow
-from swarm.coordinates import Coordinate, Vivaldi, round_trip
-from swarm.records import Announcement, PeerState
+from swarm.dht.records import Announcement, PeerState
+from swarm.network.coordinates import Coordinate, Vivaldi, round_trip
 from swarm.routing import ORIGIN, Router
 
 

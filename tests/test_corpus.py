@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from conftest import tiny_manifest_dict
-from peers.data import main
-from swarm.corpus import default_cache_dir, ensure_prepared, index_sha256, prepare_corpus
-from swarm.data import (
+from peers.swarm_data import main
+from swarm.dataset.corpus import default_cache_dir, ensure_prepared, index_sha256, prepare_corpus
+from swarm.dataset.documents import heldout_bucket
+from swarm.dataset.shards import (
     TextData,
     TokenShards,
     TrainingStream,
@@ -26,10 +27,9 @@ from swarm.data import (
     open_swarm_data,
     sample_batch,
 )
-from swarm.documents import heldout_bucket
+from swarm.dataset.tokenizer import ENDOFTEXT, byte_tokenizer, train_tokenizer
 from swarm.errors import DataError
-from swarm.manifest import manifest_from_dict
-from swarm.tokenizer import ENDOFTEXT, byte_tokenizer, train_tokenizer
+from swarm.manifests.manifest import manifest_from_dict
 
 WORDS = "swarm peer stage trainer shard token über naïve 日本語 данные def return import class".split()
 
@@ -327,11 +327,11 @@ def test_swarm_data_errors_are_one_line(tmp_path, capsys, arguments, message):
 
 def test_swarm_data_runs_as_a_program(folder, tmp_path):
     source, texts = folder
-    command = [sys.executable, "-m", "peers.data", "prepare", str(source), "--out", str(tmp_path / "o"), "--json"]
+    command = [sys.executable, "-m", "peers.swarm_data", "prepare", str(source), "--out", str(tmp_path / "o"), "--json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["documents"] == len(texts) and summary["vocab_size"] == 256
     assert summary["index_sha256"] == index_sha256(tmp_path / "o")
-    shown = subprocess.run([sys.executable, "-m", "peers.data", "--help"], capture_output=True, text=True, timeout=60)
+    shown = subprocess.run([sys.executable, "-m", "peers.swarm_data", "--help"], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "examples:" in shown.stdout and "swarm-data prepare" in shown.stdout

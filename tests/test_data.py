@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from swarm.data import TextData, sample_batch, split_files
+from swarm.dataset.shards import TextData, sample_batch, split_files
 from swarm.errors import DataError
 
 

@@ -20,10 +20,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, client_dht, tiny_manifest_dict
-from peers.export import main as export_main
-from peers.export import print_summary
-from swarm.client.rpc import download_state
-from swarm.export import (
+from peers.swarm_export import main as export_main
+from peers.swarm_export import print_summary
+from swarm.architectures.model import build_full_model, build_stage
+from swarm.client.export import (
     ExportError,
     StageSource,
     assemble_full_state,
@@ -33,10 +33,10 @@ from swarm.export import (
     stage_parameters,
     write_safetensors,
 )
-from swarm.manifest import manifest_from_dict
-from swarm.model import build_full_model, build_stage
-from swarm.records import fetch_announcements
-from swarm.server.state import stage_state_shapes
+from swarm.client.rpc import download_state
+from swarm.dht.records import fetch_announcements
+from swarm.manifests.manifest import manifest_from_dict
+from swarm.server.stage_state import stage_state_shapes
 
 GENERATE = ROOT / "examples" / "generate.py"
 
@@ -69,8 +69,8 @@ def finish_tool(tool: subprocess.Popen, timeout: float) -> subprocess.CompletedP
 
 
 def export_command(manifest_path: Path | str, out: Path, *flags: str, script: bool = False) -> list[str]:
-    """`python -m peers.export ...`, or with `script` the installed `swarm-export` (pyproject's entry point)."""
-    program = [str(Path(sys.executable).parent / "swarm-export")] if script else [sys.executable, "-m", "peers.export"]
+    """`python -m peers.swarm_export ...`, or with `script` the installed `swarm-export` (pyproject's entry point)."""
+    program = [str(Path(sys.executable).parent / "swarm-export")] if script else [sys.executable, "-m", "peers.swarm_export"]
     return [*program, "--join", str(manifest_path), "--out", str(out), *flags]
 
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from conftest import tiny_manifest_dict
-from swarm.checkpoint import save_checkpoint
+from swarm.client.export import ExportError, write_safetensors
 from swarm.errors import ManifestError
-from swarm.export import ExportError, write_safetensors
 from swarm.files import atomic_write
-from swarm.manifest import manifest_from_dict
-from swarm.manifest_loading import load_manifest, write_manifest
-from swarm.secret import read_secret, write_secret
+from swarm.manifests.loading import load_manifest, write_manifest
+from swarm.manifests.manifest import manifest_from_dict
+from swarm.server.checkpoint import save_checkpoint
 from swarm.throughput import read_cached, write_cached
+from swarm.trust.secret import read_secret, write_secret
 
 
 @pytest.fixture

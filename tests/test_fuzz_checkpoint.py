@@ -16,9 +16,9 @@ import safetensors.torch
 import torch
 
 from fuzzing import CASES, FIRST, MANIFEST, print_case_counts  # noqa: F401
-from swarm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from swarm.architectures.model import build_stage
 from swarm.errors import BadRequestError
-from swarm.model import build_stage
+from swarm.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from swarm.server.compute import StageCompute
 
 

@@ -39,14 +39,15 @@ from hivemind.utils import MSGPackSerializer
 from conftest import LOOPBACK, PeerProcess
 from fuzzing import CASES, FIRST, FORWARD_TIMEOUT, LAST, LOST, MANIFEST, RAW_MANIFEST, print_case_counts  # noqa: F401
 from peers import processes
-from swarm import PROTOCOL_VERSION, protocol
-from swarm.bans import BAD_REQUESTS_BEFORE_BAN
+from swarm import PROTOCOL_VERSION
 from swarm.client.rpc import download_state
 from swarm.errors import BadRequestError
-from swarm.manifest import manifest_from_dict, parse_manifest
+from swarm.manifests.manifest import manifest_from_dict, parse_manifest
 from swarm.server.reachability import NAMESPACE as REACHABILITY_NAMESPACE
 from swarm.server.service import NAMESPACE, StageService
-from swarm.server.state import stage_state_shapes
+from swarm.server.stage_state import stage_state_shapes
+from swarm.trust.bans import BAD_REQUESTS_BEFORE_BAN
+from swarm.wire import protocol
 
 # one swarm for the whole file, in file order: every test of the file in the same worker process
 pytestmark = pytest.mark.xdist_group("fuzz_rpc")

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import tiny_manifest_dict
 from swarm.errors import PeerStartError
-from swarm.identity import claim_identity, without_own_address
+from swarm.trust.identity import claim_identity, without_own_address
 
 pytestmark = pytest.mark.integration
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from peers.init import main as init_main
+from peers.swarm_init import main as init_main
+from swarm.architectures.model import build_stage, count_parameters, count_stage_parameters
 from swarm.errors import ManifestError
-from swarm.manifest_loading import load_manifest
-from swarm.model import build_stage, count_parameters, count_stage_parameters
-from swarm.presets import PRESETS, new_manifest
+from swarm.manifests.loading import load_manifest
+from swarm.manifests.presets import PRESETS, new_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,11 +13,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import ROOT, tiny_manifest_dict
-from peers.peer import main as peer_main
+from peers.swarm_peer import main as peer_main
 from swarm import PROTOCOL_VERSION
 from swarm.errors import ManifestError
-from swarm.manifest import manifest_from_dict
-from swarm.manifest_loading import load_manifest
+from swarm.manifests.loading import load_manifest
+from swarm.manifests.manifest import manifest_from_dict
 
 GOOD = tiny_manifest_dict()
 OLD_VERSION = {**tiny_manifest_dict(), "protocol_version": 1}
@@ -154,7 +154,7 @@ def test_joining_through_a_peer_that_is_not_there_or_not_a_swarm_peer_fails_clea
         for join, message in ((maddr, "is it a running swarm-peer"), (gone, "could not join the DHT")):
             begin = time.monotonic()
             result = subprocess.run(
-                [sys.executable, "-m", "peers.peer", "--join", join, "--host-maddrs", LOOPBACK],
+                [sys.executable, "-m", "peers.swarm_peer", "--join", join, "--host-maddrs", LOOPBACK],
                 cwd=ROOT,
                 capture_output=True,
                 text=True,

@@ -16,17 +16,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from conftest import tiny_manifest_dict
-from peers.peer import parse_args
+from peers.swarm_peer import parse_args
 from swarm import __version__
+from swarm.architectures.model import build_stage
 from swarm.client.trainer import Trainer
+from swarm.dht.records import PeerState
 from swarm.errors import PeerStartError
-from swarm.manifest import manifest_from_dict
-from swarm.metrics import PeerCollector, start_metrics_server
-from swarm.model import build_stage
-from swarm.records import PeerState
+from swarm.manifests.manifest import manifest_from_dict
 from swarm.server.rebalancer import Rebalancer
 from swarm.server.stage import ServingOptions, StageServer
 from swarm.throughput import Throughput
+from swarm.watch.metrics import PeerCollector, start_metrics_server
 
 
 def scrape(url: str) -> list[Sample]:

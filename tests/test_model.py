@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from conftest import tiny_manifest_dict
-from swarm.manifest import manifest_from_dict
-from swarm.model import build_full_model, build_stage, count_parameters
+from swarm.architectures.model import build_full_model, build_stage, count_parameters
+from swarm.manifests.manifest import manifest_from_dict
 
 
 def manifest(depth=5, layers=((0, 1), (1, 4), (4, 5))):

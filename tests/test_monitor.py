@@ -16,7 +16,7 @@ import pytest
 from benchmarks.common import free_ports
 from conftest import ROOT, tiny_manifest_dict
 from peers import processes
-from peers.monitor import main as monitor_main
+from peers.swarm_monitor import main as monitor_main
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = ROOT / "test-artifacts"  # screenshots the browser test leaves for people to look at
@@ -48,7 +48,7 @@ def start_monitor(manifest: Path, tmp_path: Path, *flags: str, name: str = "moni
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
     args = ["--join", str(manifest), "--port", "0", "--history", str(tmp_path / "history.sqlite"), "--json"]
     return processes.start_peer(
-        [*args, "--every", "1", *flags], tmp_path / f"{name}.log", tmp_path / "cache", env, module="peers.monitor"
+        [*args, "--every", "1", *flags], tmp_path / f"{name}.log", tmp_path / "cache", env, module="peers.swarm_monitor"
     )
 
 

@@ -1,5 +1,5 @@
 """swarm-monitor's library without processes: the SQLite history, the leaderboard's counting, the swarm's
-Prometheus text, the trackers' files and the page's routes, over documents made by swarm/health.py."""
+Prometheus text, the trackers' files and the page's routes, over documents made by swarm/watch/status.py."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import tiny_manifest_dict
+from swarm.dht.records import Announcement, TrainerReport, announcement_lifetime
 from swarm.errors import SwarmError
-from swarm.health import swarm_health
-from swarm.manifest import manifest_from_dict
+from swarm.manifests.manifest import manifest_from_dict
 from swarm.monitor.history import THIN_EVERY, History, HistoryError
 from swarm.monitor.leaderboard import Leaderboard, advance, disagreement
 from swarm.monitor.prometheus import swarm_metrics
 from swarm.monitor.sampling import peer_rows, stage_rows, swarm_sample
 from swarm.monitor.server import MonitorServer, MonitorState
 from swarm.monitor.trackers import TensorBoardTracker, WandbTracker, scalars
-from swarm.records import Announcement, TrainerReport, announcement_lifetime
+from swarm.watch.status import swarm_health
 
 MANIFEST = manifest_from_dict(tiny_manifest_dict())  # 2 stages, announce period 1 s
 ALICE = "12D3KooWAliceAliceAliceAliceAliceAliceAliceAlice11"

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from peers.data import main as data_main
-from peers.init import main as init_main
-from swarm import pretrained, tokenizer_source
+from peers.swarm_data import main as data_main
+from peers.swarm_init import main as init_main
+from swarm.dataset import tokenizer_source
+from swarm.dataset.tokenizer import load_tokenizer, train_tokenizer
 from swarm.errors import TokenizerError
-from swarm.manifest_loading import load_manifest
-from swarm.tokenizer import load_tokenizer, train_tokenizer
+from swarm.hf import pretrained
+from swarm.manifests.loading import load_manifest
 
 TEXT = "".join(f"def f{i}(x, y={i * 7}):\n    return x * {i} + y  # step {i * i}\n" for i in range(400))
 

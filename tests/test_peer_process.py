@@ -12,13 +12,13 @@ import torch
 from hivemind import DHT
 
 from conftest import client_dht, tiny_manifest_dict
-from swarm import protocol
 from swarm.client.rpc import call_stage
 from swarm.client.trainer import Trainer
-from swarm.data import TextData, heldout_batches
+from swarm.dataset.shards import TextData, heldout_batches
+from swarm.dht.records import fetch_announcements, fetch_trainer_reports
 from swarm.errors import RemoteStageError
-from swarm.manifest import manifest_from_dict
-from swarm.records import fetch_announcements, fetch_trainer_reports
+from swarm.manifests.manifest import manifest_from_dict
+from swarm.wire import protocol
 
 pytestmark = pytest.mark.integration
 

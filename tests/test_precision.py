@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import tiny_manifest_dict
-from swarm import protocol
-from swarm.data import sample_batch
-from swarm.manifest import manifest_from_dict
-from swarm.model import build_stage
+from swarm.architectures.model import build_stage
+from swarm.dataset.shards import sample_batch
+from swarm.manifests.manifest import manifest_from_dict
 from swarm.server.compute import StageCompute
 from swarm.server.precision import GradientOverflowError
+from swarm.wire import protocol
 
 LLAMA = {"architecture": "llama", "width": 64, "depth": 2, "heads": 4, "kv_heads": 2, "context_length": 32}
 TEXT = np.frombuffer(b"def stage(x):\n    return x * 2 + 1\n" * 400, dtype=np.uint8)

@@ -15,14 +15,14 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 
 from conftest import LOOPBACK, tiny_manifest_dict
-from swarm import protocol
 from swarm.client.rpc import call_stage, download_state, fetch_manifest
+from swarm.dht.records import fetch_announcements
 from swarm.errors import ManifestError, RemoteStageError
-from swarm.manifest import manifest_from_dict
-from swarm.manifest_loading import load_manifest
-from swarm.records import fetch_announcements
-from swarm.secret import SecretAuthorizer, SwarmSecret, read_secret, write_secret
+from swarm.manifests.loading import load_manifest
+from swarm.manifests.manifest import manifest_from_dict
 from swarm.server.reachability import check_reachability
+from swarm.trust.secret import SecretAuthorizer, SwarmSecret, read_secret, write_secret
+from swarm.wire import protocol
 
 # -------------------------------------------------------------------------------------------- pure parts
 
@@ -66,7 +66,7 @@ def test_a_manifest_names_the_secret_file_and_never_holds_the_secret(tmp_path):
 
 
 def test_a_manifest_from_a_url_cannot_make_any_file_the_secret(tmp_path):
-    from swarm.manifest_loading import with_secret
+    from swarm.manifests.loading import with_secret
 
     for named in ("/etc/hostname", "../secret", "~/.ssh/id_rsa"):
         manifest = manifest_from_dict(tiny_manifest_dict(network={"secret_file": named}))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm import protocol
 from swarm.errors import BadRequestError
+from swarm.wire import protocol
 
 LIMIT = 10**7
 
@@ -48,7 +48,7 @@ def test_malformed_8bit_tensors_are_refused():
 
 def test_uncompressed_activations_travel_in_the_compute_dtype():
     from conftest import tiny_manifest_dict
-    from swarm.manifest import manifest_from_dict
+    from swarm.manifests.manifest import manifest_from_dict
 
     def wire(precision, compression):
         raw = tiny_manifest_dict(training={"precision": precision, "activation_compression": compression})

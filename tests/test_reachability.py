@@ -14,9 +14,9 @@ import pytest
 from hivemind import DHT
 
 from conftest import LOOPBACK, ROOT, tiny_manifest_dict
-from swarm.manifest import manifest_from_dict
-from swarm.manifest_loading import load_manifest
-from swarm.records import Announcement, SwarmView, announcement_lifetime, store_announcement
+from swarm.dht.records import Announcement, SwarmView, announcement_lifetime, store_announcement
+from swarm.manifests.loading import load_manifest
+from swarm.manifests.manifest import manifest_from_dict
 from swarm.server.reachability import (
     BUSY,
     NAMESPACE,
@@ -208,7 +208,7 @@ def test_a_peer_that_does_not_listen_serves_a_stage(start_peer, write_manifest):
 
     # peer-status shows who cannot be dialed
     result = subprocess.run(
-        [sys.executable, "-m", "peers.status", "--join", str(path), "--json"],
+        [sys.executable, "-m", "peers.peer_status", "--join", str(path), "--json"],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from conftest import client_dht, tiny_manifest_dict
-from peers.export import main as export_main
-from peers.init import main as init_main
+from peers.swarm_export import main as export_main
+from peers.swarm_init import main as init_main
+from swarm.architectures.model import build_full_model
+from swarm.client.export import assemble_full_state, stage_parameters
 from swarm.client.rpc import download_state
-from swarm.export import assemble_full_state, stage_parameters
-from swarm.manifest_loading import load_manifest
-from swarm.model import build_full_model
-from swarm.server.state import stage_state_shapes
-from swarm.tokenizer import load_tokenizer
+from swarm.dataset.tokenizer import load_tokenizer
+from swarm.manifests.loading import load_manifest
+from swarm.server.stage_state import stage_state_shapes
 
 transformers = pytest.importorskip("transformers")
 

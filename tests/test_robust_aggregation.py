@@ -1,10 +1,10 @@
-"""Robust aggregation of a round's part (swarm/robust_aggregation.py): pure tensor math."""
+"""Robust aggregation of a round's part (swarm/averaging/robust_aggregation.py): pure tensor math."""
 
 from __future__ import annotations
 
 import torch
 
-from swarm.robust_aggregation import (
+from swarm.averaging.robust_aggregation import (
     MAX_WEIGHT_RATIO,
     TAU_FACTOR,
     capped_weights,

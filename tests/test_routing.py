@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import random
 
-from swarm.records import Announcement, TrainerReport, announceable, parse_announcement, parse_trainer_report
+from swarm.dht.records import Announcement, TrainerReport, announceable, parse_announcement, parse_trainer_report
 from swarm.routing import BASE_BAN, MAX_BAN, Router, online_peers
 
 

@@ -1,4 +1,4 @@
-"""Signed records (swarm/signing.py): only the peer that owns a libp2p identity writes the records under its peer id.
+"""Signed records (swarm/trust/signing.py): only the peer that owns a libp2p identity writes the records under its peer id.
 
 Real hivemind DHT nodes on loopback: a victim and an honest node run the swarm's validator; the forger runs a bare
 hivemind node (it stores whatever it likes in its own storage and sends it to the others) or one that signs with
@@ -15,9 +15,8 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from benchmarks.common import tiny_manifest_dict
-from swarm import joining
-from swarm.manifest import Manifest, manifest_from_dict
-from swarm.records import (
+from swarm.dht import joining
+from swarm.dht.records import (
     Announcement,
     PeerState,
     TrainerReport,
@@ -28,7 +27,8 @@ from swarm.records import (
     store_trainer_report,
     trainers_key,
 )
-from swarm.signing import (
+from swarm.manifests.manifest import Manifest, manifest_from_dict
+from swarm.trust.signing import (
     OWNER_KEY_FIELD,
     SIGNATURE_FIELD,
     IdentityKey,

@@ -1,4 +1,4 @@
-"""What a restart on the same machine reuses of earlier starts (swarm/startup_cache.py)."""
+"""What a restart on the same machine reuses of earlier starts (swarm/network/startup_cache.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import multiprocessing
 from pathlib import Path
 
-from swarm.startup_cache import StartupCache, reachability_key
+from swarm.network.startup_cache import StartupCache, reachability_key
 
 
 def test_a_reachability_verdict_is_reused_only_for_the_same_fixed_addresses(tmp_path):

@@ -16,11 +16,11 @@ import pytest
 
 from conftest import ROOT, tiny_manifest_dict
 from peers import processes
-from peers.status import main as status_main
-from swarm.health import DEGRADED, HEALTHY, exit_code, find_peer, peer_status, swarm_health
-from swarm.manifest import manifest_from_dict
-from swarm.manifest_loading import load_manifest
-from swarm.records import Announcement, TrainerReport, announcement_lifetime
+from peers.peer_status import main as status_main
+from swarm.dht.records import Announcement, TrainerReport, announcement_lifetime
+from swarm.manifests.loading import load_manifest
+from swarm.manifests.manifest import manifest_from_dict
+from swarm.watch.status import DEGRADED, HEALTHY, exit_code, find_peer, peer_status, swarm_health
 
 NOW = 10_000.0
 MANIFEST = manifest_from_dict(tiny_manifest_dict())  # 2 stages, announce period 1 s
@@ -168,7 +168,7 @@ class StatusRuns:
     def start(self, *flags: str, **options) -> subprocess.Popen:
         options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **options}
         run = subprocess.Popen(
-            [sys.executable, "-m", "peers.status", *flags], cwd=ROOT, start_new_session=True, **options
+            [sys.executable, "-m", "peers.peer_status", *flags], cwd=ROOT, start_new_session=True, **options
         )
         self.started.append(run)
         return run

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import tiny_manifest_dict
+from swarm.architectures.model import build_stage
 from swarm.errors import BadRequestError
-from swarm.manifest import manifest_from_dict
-from swarm.model import build_stage
-from swarm.server.state import load_state_tensors, state_tensors
+from swarm.manifests.manifest import manifest_from_dict
+from swarm.server.stage_state import load_state_tensors, state_tensors
 from swarm.throughput import (
     DeliveredThroughput,
     SimulatedSpeed,

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from swarm.dataset.tokenizer import ENDOFTEXT, byte_tokenizer, file_sha256, load_tokenizer, train_tokenizer
 from swarm.errors import TokenizerError
-from swarm.tokenizer import ENDOFTEXT, byte_tokenizer, file_sha256, load_tokenizer, train_tokenizer
 
 WORDS = "the model trains on many volunteer machines über naïve café 日本語 данные λόγος def return import".split()
 SAMPLES = [

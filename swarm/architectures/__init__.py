@@ -1,5 +1,5 @@
 """The model architectures a manifest can name (`model.architecture`): each module defines the same three parts,
-`Embeddings`, `Block` and `Head`, which swarm/model.py stacks into stages, plus how many parameters a block has
+`Embeddings`, `Block` and `Head`, which swarm/architectures/model.py stacks into stages, plus how many parameters a block has
 and which weights are residual projections (initialised smaller)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.manifest import ModelConfig
+from swarm.manifests.manifest import ModelConfig
 
 # weights that write into the residual stream: initialised with std 0.02 / sqrt(2 x depth) (GPT-2)
 RESIDUAL_WEIGHTS = ("attention.proj.weight", "mlp.2.weight")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.manifest import ModelConfig
+from swarm.manifests.manifest import ModelConfig
 
 RESIDUAL_WEIGHTS = ("attention.o_proj.weight", "mlp.down_proj.weight")
 

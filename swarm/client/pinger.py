@@ -2,7 +2,7 @@
 
 Every PING_PERIOD seconds it pings one announced peer (an empty bandwidth probe, a few hundred bytes), chosen at
 random among the online ones, and feeds the round trip and that peer's announced coordinate to this peer's Vivaldi
-(swarm/coordinates.py). The peer's stage server announces the coordinate; its trainer (and a trainer-only peer's)
+(swarm/network/coordinates.py). The peer's stage server announces the coordinate; its trainer (and a trainer-only peer's)
 estimates from coordinates the latency to peers it has never called. A failed ping is ignored: routing bans
 and balancing handle dead peers, this only positions.
 """
@@ -17,9 +17,9 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarm.client.rpc import ping
-from swarm.coordinates import Coordinate, Vivaldi
-from swarm.manifest import Manifest
-from swarm.records import SwarmView
+from swarm.dht.records import SwarmView
+from swarm.manifests.manifest import Manifest
+from swarm.network.coordinates import Coordinate, Vivaldi
 from swarm.routing import online_peers
 
 logger = logging.getLogger(__name__)

@@ -22,12 +22,12 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from swarm import protocol
+from swarm.dht.records import SwarmView
 from swarm.errors import MicrobatchFailedError, RemoteStageError
-from swarm.manifest import Manifest
-from swarm.records import SwarmView
+from swarm.manifests.manifest import Manifest
 from swarm.routing import Router, online_peers
 from swarm.server.forwarding import check_reply
+from swarm.wire import protocol
 
 logger = logging.getLogger(__name__)
 

@@ -13,14 +13,14 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm import protocol
+from swarm.dataset.tokenizer_source import CHUNK_BYTES
 from swarm.errors import ManifestError, RemoteStageError, SwarmError
-from swarm.manifest import Manifest, parse_manifest
-from swarm.manifest_loading import MAX_MANIFEST_BYTES
+from swarm.manifests.loading import MAX_MANIFEST_BYTES
+from swarm.manifests.manifest import Manifest, parse_manifest
 from swarm.server.service import NAMESPACE, StageService
-from swarm.server.state import STATE_COUNTERS
+from swarm.server.stage_state import STATE_COUNTERS
 from swarm.throughput import PROBE_BYTES, measure_bandwidth
-from swarm.tokenizer_source import CHUNK_BYTES
+from swarm.wire import protocol
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ async def download_state(
     p2p: P2P, peer_id: str, manifest: Manifest, stage: int, shapes: dict[str, tuple[int, ...]], timeout: float
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
     """Fetch the state of `stage` from `peer_id`: named tensors (not yet checked against the model, see
-    StageServer.load_state; `shapes` are the names it may hold, from swarm.server.state) and its counters
+    StageServer.load_state; `shapes` are the names it may hold, from swarm.server.stage_state) and its counters
     (optimizer_steps, averaging_round). Raises RemoteStageError on a refusal or a malformed reply."""
     max_bytes = sum(4 * math.prod(shape) for shape in shapes.values()) + 64 * len(shapes) + 65536
     stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)

@@ -23,16 +23,12 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from swarm import protocol
 from swarm.client.checks import CHECK_FRACTION, CONVICTION_BAN, CheckPlan, WorkChecks, gradient_prints
 from swarm.client.relay import NO_PEER_WAIT, RelayedPipeline
 from swarm.client.rpc import call_stage
 from swarm.client.window import AdaptiveWindow
-from swarm.coordinates import Vivaldi
-from swarm.data import TrainingStream, sample_batch
-from swarm.errors import MicrobatchFailedError, RemoteStageError
-from swarm.manifest import Manifest
-from swarm.records import (
+from swarm.dataset.shards import TrainingStream, sample_batch
+from swarm.dht.records import (
     MAX_ATTESTED_PEERS,
     SwarmView,
     TrainerReport,
@@ -40,10 +36,14 @@ from swarm.records import (
     announcement_lifetime,
     store_trainer_report,
 )
+from swarm.errors import MicrobatchFailedError, RemoteStageError
+from swarm.manifests.manifest import Manifest
+from swarm.network.coordinates import Vivaldi
 from swarm.routing import ORIGIN, Router, online_peers
 from swarm.server.forwarding import BLAMELESS, MIN_BUDGET, check_reply, grace, onward_budget
 from swarm.server.stage import StageServer
-from swarm.stats import Traffic, TrainerStats
+from swarm.watch.stats import Traffic, TrainerStats
+from swarm.wire import protocol
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from swarm.health import short_id
+from swarm.dht.records import TrainerReport
 from swarm.monitor.history import History
-from swarm.records import TrainerReport
+from swarm.watch.status import short_id
 
 MAX_GAP = 60.0  # seconds: a longer pause between two samples (the monitor was down) counts as offline
 NOISE_FRACTION = 0.15  # a gap of claimed vs attested samples smaller than this fraction of the larger is noise

@@ -1,6 +1,6 @@
 """The whole swarm as Prometheus text (`swarm-monitor`'s /metrics), from peer-status' document.
 
-Labelled like each peer's own metrics (swarm/metrics.py): every series carries `swarm_id`; a stage's series
+Labelled like each peer's own metrics (swarm/watch/metrics.py): every series carries `swarm_id`; a stage's series
 carry `stage`; a peer's carry `peer_id` and `stage`. `swarm_monitor_peer_info` holds the descriptive labels
 (public name, device, version, status). Figures the monitor does not know (no loss reported yet, the swarm
 unreachable) are left out rather than NaN, so that aggregations over them stay numbers.

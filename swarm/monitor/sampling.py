@@ -1,6 +1,6 @@
 """What one sample of a swarm is: the rows the monitor writes to its history, taken from peer-status' document.
 
-Pure functions: the document in (swarm/health.py), plain rows out (swarm/monitor/history.py writes them).
+Pure functions: the document in (swarm/watch/status.py), plain rows out (swarm/monitor/history.py writes them).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A request gets a prompt refusal instead of work when its sender is banned (it se
 the stage is not online, when too many requests are in flight (in all, or from this one caller), or when the
 expected wait in the queue would eat most of the forward timeout; in a private swarm, a request without a valid
 proof of membership is refused before any other work. Refusals are error replies with a code
-(swarm/protocol.py), never exceptions. Runs on the event loop only.
+(swarm/wire/protocol.py), never exceptions. Runs on the event loop only.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import time
 
 from hivemind.proto import runtime_pb2
 
-from swarm import protocol
-from swarm.bans import Bans
+from swarm.dht.records import PeerState
 from swarm.errors import BadRequestError
-from swarm.manifest import Manifest
-from swarm.records import PeerState
+from swarm.manifests.manifest import Manifest
+from swarm.trust.bans import Bans
+from swarm.wire import protocol
 
 logger = logging.getLogger(__name__)
 

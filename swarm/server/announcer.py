@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from hivemind import DHT
 
-from swarm.coordinates import Coordinate, Vivaldi
-from swarm.manifest import Manifest
-from swarm.records import MAX_THROUGHPUT, Announcement, announcement_lifetime, store_announcement
-from swarm.stats import StageStats
+from swarm.dht.records import MAX_THROUGHPUT, Announcement, announcement_lifetime, store_announcement
+from swarm.manifests.manifest import Manifest
+from swarm.network.coordinates import Coordinate, Vivaldi
+from swarm.watch.stats import StageStats
 
 logger = logging.getLogger(__name__)
 

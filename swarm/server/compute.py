@@ -19,21 +19,21 @@ from typing import TypeVar
 
 import torch
 
-from swarm import protocol
+from swarm.architectures.model import StageModel
+from swarm.averaging.averager import StageAverager
 from swarm.errors import BadRequestError
-from swarm.manifest import Manifest
-from swarm.model import StageModel
+from swarm.manifests.manifest import Manifest
 from swarm.server.precision import GradientOverflowError, LossScaler
-from swarm.server.staleness import StalenessControl
-from swarm.server.state import (
+from swarm.server.stage_state import (
     load_state_tensors,
     make_optimizer,
     outer_state_shapes,
     state_tensors,
     trainable_parameters,
 )
-from swarm.stage_averager import StageAverager
+from swarm.server.staleness import StalenessControl
 from swarm.throughput import FORWARD_SHARE, SimulatedSpeed
+from swarm.wire import protocol
 
 ACTIVATION_CACHE_BYTES = 1 << 30
 MAX_LEDGER = 200_000  # forwarded microbatch ids remembered (about 100 bytes each)
@@ -335,7 +335,7 @@ class StageCompute:
 
     def rebase(self, items: list[tuple[str, torch.Tensor]], counters: dict[str, int]) -> None:
         """DiLoCo, one round behind: take the stage's anchor, outer momentum and round number from a peer's state
-        and keep this peer's own local progress and inner optimizer (swarm/stage_averager.py, StageAverager.rebase).
+        and keep this peer's own local progress and inner optimizer (swarm/averaging/averager.py, StageAverager.rebase).
         Raises BadRequestError, leaving everything untouched, if the state has no complete outer state."""
         outer = self._checked_outer_state(items)
         names = outer_state_shapes(self.manifest, {n: tuple(p.shape) for n, p in zip(self.param_names, self.params)})

@@ -33,11 +33,10 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from swarm import protocol
 from swarm.client.checks import gradient_fingerprint
+from swarm.dht.records import PeerState, SwarmView
 from swarm.errors import BadRequestError, RemoteStageError
-from swarm.manifest import Manifest
-from swarm.records import PeerState, SwarmView
+from swarm.manifests.manifest import Manifest
 from swarm.routing import Router, online_peers
 from swarm.server.admission import Admission
 from swarm.server.compute import (
@@ -49,7 +48,8 @@ from swarm.server.compute import (
 )
 from swarm.server.precision import GradientOverflowError
 from swarm.server.worker import StageWorker
-from swarm.stats import Traffic
+from swarm.watch.stats import Traffic
+from swarm.wire import protocol
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import torch
 from hivemind.p2p import P2P
 
 from swarm.client.rpc import probe_bandwidth
-from swarm.manifest import Manifest
-from swarm.records import PeerState, SwarmView
+from swarm.dht.records import PeerState, SwarmView
+from swarm.manifests.manifest import Manifest
 from swarm.server.stage import ServingOptions
 from swarm.throughput import (
     DEFAULT_BANDWIDTH_MBITS,

@@ -20,10 +20,10 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from multiaddr import Multiaddr
 
-from swarm.joining import daemon_sockets, remove_stale_sockets
-from swarm.manifest import Manifest
-from swarm.protocol import MSGPackSerializer, unpack
-from swarm.records import PeerState, SwarmView, fetch_trainer_reports
+from swarm.dht.joining import daemon_sockets, remove_stale_sockets
+from swarm.dht.records import PeerState, SwarmView, fetch_trainer_reports
+from swarm.manifests.manifest import Manifest
+from swarm.wire.protocol import MSGPackSerializer, unpack
 
 logger = logging.getLogger(__name__)
 

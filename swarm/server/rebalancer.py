@@ -20,19 +20,19 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
+from swarm.architectures.model import build_stage
 from swarm.balancing import PeerLoad, choose_stage, peer_loads, should_move, stage_totals
-from swarm.coordinates import Vivaldi
+from swarm.dht.records import PeerState, SwarmView
 from swarm.errors import ManifestError, PeerStartError, SwarmError
 from swarm.events import Event, EventKind, OnEvent, ignore
-from swarm.manifest import Manifest
-from swarm.model import build_stage
-from swarm.records import PeerState, SwarmView
+from swarm.manifests.manifest import Manifest
+from swarm.network.coordinates import Vivaldi
 from swarm.server.announcer import announced_rate
 from swarm.server.measurement import ThroughputMeter
 from swarm.server.stage import ServingOptions, StageServer
 from swarm.server.takeover import StateTakeover, other_online_peers
-from swarm.stats import Traffic
 from swarm.throughput import Throughput
+from swarm.watch.stats import Traffic
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 Every ROUND_CHECK_PERIOD seconds the stage looks at its peers' announcements: once the stage has served
 `averaging.every_samples` samples in the current round, counted over everyone's announcements
-(swarm/averaging.py's pure functions), it takes part in a round. The math of a round is swarm/averaging.py's, the
-hivemind averager swarm/stage_averager.py's; the model's side of a round runs in the stage's worker
+(swarm/averaging/rules.py's pure functions), it takes part in a round. The math of a round is swarm/averaging/rules.py's, the
+hivemind averager swarm/averaging/averager.py's; the model's side of a round runs in the stage's worker
 (server/compute.py).
 """
 
@@ -19,7 +19,8 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from swarm.averaging import (
+from swarm.averaging.averager import StageAverager
+from swarm.averaging.rules import (
     AveragingError,
     ProgressSeen,
     RoundProgress,
@@ -28,13 +29,12 @@ from swarm.averaging import (
     round_payload_bytes,
     swarm_samples_in_round,
 )
+from swarm.dht.records import PeerState, SwarmView, announcement_lifetime
 from swarm.events import Event, EventKind, OnEvent, RoundOutcome, StateSource
-from swarm.manifest import Manifest
-from swarm.records import PeerState, SwarmView, announcement_lifetime
-from swarm.server.state import stage_state_shapes
+from swarm.manifests.manifest import Manifest
+from swarm.server.stage_state import stage_state_shapes
 from swarm.server.worker import StageWorker
-from swarm.stage_averager import StageAverager
-from swarm.stats import Traffic
+from swarm.watch.stats import Traffic
 
 logger = logging.getLogger(__name__)
 

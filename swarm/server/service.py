@@ -18,17 +18,18 @@ import torch
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from swarm import protocol, tokenizer_source
+from swarm.dataset import tokenizer_source
+from swarm.dht.records import PeerState
 from swarm.errors import BadRequestError, SwarmError
-from swarm.manifest import Manifest
-from swarm.records import PeerState
+from swarm.manifests.manifest import Manifest
 from swarm.server.admission import Admission
 from swarm.server.compute import StageCompute, UnknownMicrobatchError, WrongStageError
 from swarm.server.forwarding import Forwarder
 from swarm.server.precision import GradientOverflowError
 from swarm.server.worker import StageWorker
-from swarm.stats import Traffic
 from swarm.throughput import PROBE_BYTES
+from swarm.watch.stats import Traffic
+from swarm.wire import protocol
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +253,7 @@ class StageService(ServicerBase):
     async def rpc_tokenizer(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
-        """A chunk of the swarm's tokenizer file, from `offset` (swarm/tokenizer_source.py): a joining peer that
+        """A chunk of the swarm's tokenizer file, from `offset` (swarm/dataset/tokenizer_source.py): a joining peer that
         has not got it asks here. Only a copy whose hash is the manifest's is handed out."""
         try:
             metadata = protocol.decode_metadata(request, self.manifest, str(context.remote_id))

@@ -3,7 +3,7 @@
 The parts (one concern each): the worker that owns the model (server/compute.py), admission (server/admission.py),
 the RPC handlers (server/service.py), the announcement (server/announcer.py) and the averaging rounds
 (server/rounds.py). This module starts and stops them in order, keeps the checkpoint timer, and takes the
-stage's stats snapshot (swarm/stats.py) that the announcement, the status line and the metrics read.
+stage's stats snapshot (swarm/watch/stats.py) that the announcement, the status line and the metrics read.
 
 Lifecycle: `join` announces the peer as joining the stage (others count it in, and do not pick the stage too)
 while server/takeover.py loads the stage's state into it (`load_state`); `start` registers the handlers and
@@ -23,22 +23,22 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 
-from swarm.checkpoint import save_checkpoint
-from swarm.coordinates import Vivaldi
+from swarm.architectures.model import StageModel
+from swarm.averaging.averager import StageAverager
+from swarm.dht.records import PeerState, SwarmView
 from swarm.events import OnEvent, ignore
-from swarm.manifest import Manifest
-from swarm.model import StageModel
-from swarm.records import PeerState, SwarmView
+from swarm.manifests.manifest import Manifest
+from swarm.network.coordinates import Vivaldi
 from swarm.server.admission import Admission
 from swarm.server.announcer import Announcer, PeerFacts
+from swarm.server.checkpoint import save_checkpoint
 from swarm.server.compute import StageCompute
 from swarm.server.forwarding import Forwarder
 from swarm.server.rounds import AveragingRounds, RoundCounters
 from swarm.server.service import NAMESPACE, StageService
 from swarm.server.worker import StageWorker
-from swarm.stage_averager import StageAverager
-from swarm.stats import StageStats, Traffic
 from swarm.throughput import DeliveredThroughput, SimulatedSpeed, Throughput, device_name
+from swarm.watch.stats import StageStats, Traffic
 
 logger = logging.getLogger(__name__)
 

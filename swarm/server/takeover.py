@@ -11,16 +11,16 @@ import time
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from swarm import pretrained
-from swarm.checkpoint import find_checkpoint
 from swarm.client.rpc import download_state
+from swarm.dht.records import Announcement, SwarmView, announcement_lifetime
 from swarm.events import Event, EventKind, OnEvent, StateSource
-from swarm.manifest import Manifest
-from swarm.records import Announcement, SwarmView, announcement_lifetime
+from swarm.hf import pretrained
+from swarm.manifests.manifest import Manifest
 from swarm.routing import online_peers
+from swarm.server.checkpoint import find_checkpoint
 from swarm.server.rounds import STATE_SOURCES
 from swarm.server.stage import StageServer
-from swarm.server.state import stage_state_shapes
+from swarm.server.stage_state import stage_state_shapes
 
 logger = logging.getLogger(__name__)
 

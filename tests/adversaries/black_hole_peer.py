@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from peers.peer import main
+from peers.swarm_peer import main
 from swarm.server import service
 
 

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from peers.peer import main
+from peers.swarm_peer import main
 from swarm.server import compute
 
 _honest_forward = compute.StageCompute._forward

@@ -13,12 +13,12 @@ import sys
 
 import torch
 
-from peers.peer import main
-from swarm import stage_averager
+from peers.swarm_peer import main
+from swarm.averaging import averager
 
 POISONS = ("scaled", "sign-flipped", "stale")
-_honest_begin = stage_averager.StageAverager.begin_round
-_honest_run = stage_averager.StageAverager.run_round
+_honest_begin = averager.StageAverager.begin_round
+_honest_run = averager.StageAverager.run_round
 _kinds = itertools.cycle(POISONS)
 _first: list[torch.Tensor] = []
 
@@ -49,9 +49,9 @@ def _keep_own(self, averaged: bool, alone: bool = False) -> bool:
     return False
 
 
-stage_averager.StageAverager.begin_round = _poisoned_begin
-stage_averager.StageAverager.run_round = _heavy_run
-stage_averager.StageAverager.finish_round = _keep_own
+averager.StageAverager.begin_round = _poisoned_begin
+averager.StageAverager.run_round = _heavy_run
+averager.StageAverager.finish_round = _keep_own
 
 if __name__ == "__main__":
     sys.exit(main())

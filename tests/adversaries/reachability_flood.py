@@ -16,8 +16,8 @@ from collections import Counter
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm.protocol import MSGPackSerializer, unpack
 from swarm.server.reachability import NAMESPACE, ReachabilityService
+from swarm.wire.protocol import MSGPackSerializer, unpack
 
 
 async def flood(target: str, seconds: float, concurrency: int) -> dict:

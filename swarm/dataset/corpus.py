@@ -1,0 +1,396 @@
+"""Data preparation: a corpus tokenized once into token shards, which trainers then read memory-mapped (data.py).
+
+Each document of the source (see documents.py: a text file, a JSON line, a parquet row) is tokenized and followed
+by the tokenizer's end-of-document token (the byte vocabulary has none: a newline then), into the held-out part
+or the train part by the hash of its name. The held-out part is never empty (nor the train part) when there are
+two documents or more; a corpus of one document gives the end of it to the held-out part.
+
+The output folder holds the train part in shards of about `shard_tokens` tokens (`shard-00000.bin`, ...: raw
+little-endian tokens, a document may span two), the held-out part (`heldout.bin`) and `index.json`, which names
+every file with its token count and SHA-256 and is written last: a folder with an index is complete. The index is
+deterministic (same inputs, same bytes), so its hash names the prepared data. Documents and tokens are streamed:
+the corpus is never in memory whole. `ensure_prepared` does all this once per raw source, into a cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+import sysconfig
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from swarm.dataset.documents import (
+    RECORD_SUFFIXES,
+    RESOLUTION,
+    STDLIB,
+    Document,
+    ProgressCallback,
+    Reading,
+    corpus_files,
+    heldout_bucket,
+    read_documents,
+)
+from swarm.dataset.tokenizer import Tokenizer
+from swarm.errors import DataError
+from swarm.files import atomic_write
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+INDEX_FILE = "index.json"
+HELDOUT_FILE = "heldout.bin"
+DEFAULT_SHARD_TOKENS = 16_777_216
+_BATCH_CHARS = 4 << 20  # texts tokenized together, at most
+_BATCH_TEXTS = 1024
+_COPY_TOKENS = 1 << 24
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id: uint8, uint16 or uint32."""
+    if vocab_size <= 1 << 8:
+        return np.dtype(np.uint8)
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def index_sha256(path: Path | str) -> str:
+    """The SHA-256 of the index file's bytes: the name of the prepared data (a folder: its index.json)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / INDEX_FILE
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as e:
+        raise DataError(f"cannot read the data index {path}: {e.strerror}; prepare the data with swarm-data") from None
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+class _TokenFile:
+    """One output file of tokens, written incrementally under a temporary name and hashed as it is written."""
+
+    def __init__(self, path: Path, dtype: np.dtype):
+        self.path = path
+        self.dtype = dtype
+        self.temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        self.file = open(self.temporary, "wb")
+        self.digest = hashlib.sha256()
+        self.tokens = 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        data = tokens.astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
+        self.file.write(data)
+        self.digest.update(data)
+        self.tokens += len(tokens)
+
+    def close(self) -> dict:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        return {"file": self.path.name, "tokens": self.tokens, "sha256": self.digest.hexdigest()}
+
+    def commit(self) -> dict:
+        entry = self.close()
+        os.replace(self.temporary, self.path)
+        return entry
+
+    def abort(self) -> None:
+        self.file.close()
+        self.temporary.unlink(missing_ok=True)
+
+
+class _ShardWriter:
+    """The train part: shards of `shard_tokens` tokens each (the last one smaller); a document may span two."""
+
+    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int):
+        self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
+        self.entries: list[dict] = []
+        self.current: _TokenFile | None = None
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self.current is None:
+                self.current = _TokenFile(self.folder / f"shard-{len(self.entries):05d}.bin", self.dtype)
+            room = self.shard_tokens - self.current.tokens
+            self.current.write(tokens[:room])
+            tokens = tokens[room:]
+            if self.current.tokens >= self.shard_tokens:
+                self.entries.append(self.current.commit())
+                self.current = None
+
+    def finish(self) -> list[dict]:
+        if self.current is not None:
+            self.entries.append(self.current.commit())
+            self.current = None
+        return self.entries
+
+    def abort(self) -> None:
+        if self.current is not None:
+            self.current.abort()
+
+
+@dataclass
+class _Pass:
+    """What one pass over the documents wrote, and what it saw of the split."""
+
+    shards: list[dict]
+    heldout: dict
+    documents: int = 0
+    heldout_documents: int = 0
+    first_train: tuple[int, str] | None = None  # the train document that is the nearest to being held out
+    last_heldout: tuple[int, str] | None = None  # the held-out document that is the nearest to being train
+
+
+def _items(
+    documents: Iterable[Document], fraction: float, forced: dict[str, bool], tail: bool, result: _Pass
+) -> Iterator[tuple[str | None, bool]]:
+    """(text, held out) pieces in order, and (None, held out) at the end of each document."""
+    for document in documents:
+        result.documents += 1
+        if tail:  # one document: its last `fraction` of characters is held out
+            total = sum(len(piece) for piece in document.pieces())
+            cut, seen = int(total * (1 - fraction)), 0
+            for piece in document.pieces():
+                if seen < cut < seen + len(piece):
+                    yield piece[: cut - seen], False
+                    yield None, False
+                    yield piece[cut - seen :], True
+                else:
+                    yield piece, seen >= cut
+                    if seen + len(piece) == cut:
+                        yield None, False
+                seen += len(piece)
+            yield None, True
+            continue
+        bucket = heldout_bucket(document.name)
+        heldout = forced.get(document.name, bucket < fraction * RESOLUTION)
+        if heldout:
+            result.heldout_documents += 1
+            result.last_heldout = max(result.last_heldout or (bucket, document.name), (bucket, document.name))
+        else:
+            result.first_train = min(result.first_train or (bucket, document.name), (bucket, document.name))
+        for piece in document.pieces():
+            yield piece, heldout
+        yield None, heldout
+
+
+def _batches(items: Iterator[tuple[str | None, bool]]) -> Iterator[list[tuple[str | None, bool]]]:
+    batch, chars = [], 0
+    for item in items:
+        batch.append(item)
+        chars += len(item[0] or "")
+        if chars >= _BATCH_CHARS or len(batch) >= _BATCH_TEXTS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _write_pass(
+    documents: Iterable[Document],
+    out_dir: Path,
+    tokenizer: Tokenizer,
+    shard_tokens: int,
+    fraction: float,
+    forced: dict[str, bool],
+    tail: bool,
+) -> tuple[_Pass, int]:
+    """Tokenize and write every document; returns what was written and the held-out part's UTF-8 bytes."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    # the end of a document: the tokenizer's end token, else a newline (for bytes, and tokenizers without one)
+    end = np.array([tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n"), dtype=np.int64)
+    train = _ShardWriter(out_dir, dtype, shard_tokens)
+    heldout = _TokenFile(out_dir / HELDOUT_FILE, dtype)
+    result = _Pass(shards=[], heldout={})
+    heldout_bytes = 0
+    try:
+        for batch in _batches(_items(documents, fraction, forced, tail, result)):
+            texts = [text for text, _ in batch if text is not None]
+            if tokenizer.is_bytes:
+                encoded = iter([np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts])
+            else:
+                encoded = iter([np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(texts)])
+            parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
+            for text, is_heldout in batch:
+                parts[is_heldout].append(end if text is None else next(encoded))
+                if is_heldout and text is not None:
+                    heldout_bytes += len(text.encode("utf-8"))
+            if parts[False]:
+                train.write(np.concatenate(parts[False]))
+            if parts[True]:
+                heldout.write(np.concatenate(parts[True]))
+        result.shards = train.finish()
+        result.heldout = heldout.commit()
+    except BaseException:
+        train.abort()
+        heldout.abort()
+        raise
+    return result, heldout_bytes
+
+
+def _split_shards(out_dir: Path, shards: list[dict], dtype: np.dtype, count: int) -> list[dict]:
+    """The train part (in one shard) rewritten as `count` shards of equal size (the last one smaller)."""
+    # the new shard-00000.bin replaces the old one's name only: the memmap keeps reading the old file
+    whole = np.memmap(out_dir / shards[0]["file"], dtype=dtype.newbyteorder("<"), mode="r")
+    count = max(1, min(count, len(whole)))
+    size = math.ceil(len(whole) / count)
+    entries = []
+    for k in range(count):
+        output = _TokenFile(out_dir / f"shard-{k:05d}.bin", dtype)
+        for start in range(k * size, min(len(whole), (k + 1) * size), _COPY_TOKENS):
+            output.write(np.asarray(whole[start : min(start + _COPY_TOKENS, (k + 1) * size)]))
+        entries.append(output.commit())
+    del whole
+    return entries
+
+
+def prepare_corpus(
+    source: str,
+    out_dir: Path | str,
+    tokenizer: Tokenizer,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    heldout_fraction: float = 0.05,
+    on_progress: ProgressCallback | None = None,
+    text_key: str = "text",
+    shard_count: int | None = None,
+) -> Path:
+    """Tokenize `source` into `out_dir` (see the module's docstring); returns the path of its index.json.
+
+    on_progress(bytes read, bytes in all) is called as the source files are read. shard_count: make exactly that
+    many train shards (fewer if there are fewer train tokens) instead of shards of `shard_tokens`."""
+    if not 0 < heldout_fraction < 1:
+        raise DataError(f"heldout_fraction {heldout_fraction} must be between 0 and 1 (e.g. 0.05)")
+    if shard_tokens < 1:
+        raise DataError(f"shard_tokens {shard_tokens} must be at least 1")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / INDEX_FILE).unlink(missing_ok=True)  # the folder is incomplete until the new index is written
+    root, files = corpus_files(source, exclude=out_dir)
+    reading = Reading(total_bytes=sum(f.stat().st_size for f in files), on_progress=on_progress)
+    size = shard_tokens if shard_count is None else 1 << 62
+    forced: dict[str, bool] = {}
+    tail = len(files) == 1 and files[0].suffix.lower() not in RECORD_SUFFIXES  # one text file: one document
+    while True:
+        reading.done_bytes = reading.skipped = 0
+        reading.skipped_examples.clear()
+        documents = read_documents(root, files, text_key, reading)
+        result, heldout_bytes = _write_pass(documents, out_dir, tokenizer, size, heldout_fraction, forced, tail)
+        if result.documents == 0:
+            raise DataError(f"data source {source!r} has no usable document ({reading.skipped} skipped)")
+        if result.documents == 1 and not tail:
+            tail = True  # one document: hold out its end
+        elif not tail and result.heldout_documents == 0:
+            forced = {result.first_train[1]: True}  # hold out at least one document
+        elif not tail and result.heldout_documents == result.documents:
+            forced = {result.last_heldout[1]: False}  # train on at least one document
+        else:
+            break
+        logger.info("data source %r: writing its shards again to correct the held-out split", source)
+    dtype = token_dtype(tokenizer.vocab_size)
+    shards = result.shards
+    if shard_count is not None and shards:
+        shards = _split_shards(out_dir, shards, dtype, shard_count)
+    names = {entry["file"] for entry in shards}
+    for stale in out_dir.glob("shard-*.bin"):  # left by an earlier preparation into the same folder
+        if stale.name not in names:
+            stale.unlink()
+    if reading.skipped:
+        logger.warning(
+            "data source %r: skipped %d records (%s)", source, reading.skipped, "; ".join(reading.skipped_examples)
+        )
+    index = {
+        "format": FORMAT,
+        "source": source,
+        "tokenizer_sha256": tokenizer.sha256,
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": dtype.name,
+        "heldout_fraction": heldout_fraction,
+        "documents": result.documents,
+        "skipped": reading.skipped,
+        "shards": shards,
+        "heldout": result.heldout | {"bytes": heldout_bytes},
+    }
+    index_path = out_dir / INDEX_FILE
+    atomic_write(index_path, json.dumps(index, sort_keys=True, indent=1, separators=(",", ": ")) + "\n")
+    if on_progress is not None:
+        on_progress(reading.total_bytes, reading.total_bytes)
+    train_tokens = sum(entry["tokens"] for entry in shards)
+    logger.info(
+        "prepared %r into %s: %d documents, %d train tokens in %d shards, %d held-out tokens",
+        source,
+        out_dir,
+        result.documents,
+        train_tokens,
+        len(shards),
+        result.heldout["tokens"],
+    )
+    return index_path
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+
+
+def default_cache_dir() -> Path:
+    """$SWARM_CACHE_DIR/data, or ~/.cache/swarm/data."""
+    return Path(os.environ.get("SWARM_CACHE_DIR") or Path.home() / ".cache" / "swarm") / "data"
+
+
+def _cache_key(source: str, tokenizer: Tokenizer, shards: int, heldout_fraction: float) -> str:
+    if source == STDLIB:
+        where, fingerprint = sysconfig.get_paths()["stdlib"], ""  # one Python version's standard library
+    else:  # local files change: their names, sizes and times are part of the key
+        root, files = corpus_files(source)
+        where = str(Path(source).expanduser().resolve())
+        stats = [(f.relative_to(root).as_posix(), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        fingerprint = hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+    key = [FORMAT, where, fingerprint, tokenizer.sha256 or "bytes", shards, heldout_fraction]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+
+
+def ensure_prepared(
+    source: str,
+    tokenizer: Tokenizer,
+    cache_dir: Path | str | None = None,
+    shards: int = 1,
+    heldout_fraction: float = 0.05,
+) -> Path:
+    """The index of `source` prepared into `shards` train shards in the cache: prepared on first use, then reused.
+
+    Peer processes may call this at once for the same data: one prepares it (into a temporary folder, renamed
+    when complete) while the others wait for it, under a lock file, then use what it wrote."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    key = _cache_key(source, tokenizer, shards, heldout_fraction)
+    final = cache_dir / key
+    if (final / INDEX_FILE).is_file():
+        return final / INDEX_FILE
+    with open(cache_dir / f"{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        if (final / INDEX_FILE).is_file():
+            return final / INDEX_FILE  # another process prepared it while this one waited
+        if final.exists():
+            raise DataError(f"the data cache folder {final} is incomplete (no {INDEX_FILE}): delete it and retry")
+        for leftover in cache_dir.glob(f".{key}.*.tmp"):  # of a process that died while preparing
+            shutil.rmtree(leftover, ignore_errors=True)
+        temporary = cache_dir / f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        logger.info("preparing data source %r into the cache %s (once)", source, final)
+        try:
+            prepare_corpus(source, temporary, tokenizer, heldout_fraction=heldout_fraction, shard_count=shards)
+            with contextlib.suppress(OSError):  # a folder there already (written without the lock): use it
+                os.rename(temporary, final)
+        finally:
+            shutil.rmtree(temporary, ignore_errors=True)
+    if not (final / INDEX_FILE).is_file():
+        raise DataError(f"preparing data source {source!r} into {final} left no {INDEX_FILE}: delete it and retry")
+    return final / INDEX_FILE

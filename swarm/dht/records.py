@@ -1,0 +1,353 @@
+"""DHT keys and the small records peers keep there: announcements of stage servers and trainer reports.
+
+Every key starts with the swarm id, so that swarms with different settings can share one DHT and never mix.
+Records are dictionaries keyed by peer id (a DHT "subkey"), each subkey with its own expiration. Records
+read from the DHT come from strangers: they are validated, and invalid ones are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from swarm import PROTOCOL_VERSION, __version__
+from swarm.network.coordinates import Coordinate
+
+logger = logging.getLogger(__name__)
+
+
+class PeerState(StrEnum):
+    """Where a peer stands with its stage, as announced."""
+
+    JOINING = "joining"  # chose the stage, is taking over its state; counted by balancing, not yet routed to
+    ONLINE = "online"  # serves the stage
+    OFFLINE = "offline"  # stopped serving it (left, or moved away)
+
+
+MAX_TEXT = 256
+MAX_ADDRESSES = 8
+PEER_ID_PATTERN = re.compile(r"[1-9A-HJ-NP-Za-km-z]{8,128}")  # base58
+MAX_COUNT = 2**53
+MAX_ATTESTED_PEERS = 64  # stage peers a trainer report vouches for (the ones that served it most)
+MAX_THROUGHPUT = 1e6  # samples per second; far above any real device for the models this runs
+MAX_LIFETIME = 3600.0  # records that claim to live longer than this are dropped on read
+DHT_TIMEOUT = 10.0  # seconds for one DHT read or write
+
+
+LIFETIME_PERIODS = 3  # an announcement lives this many announce periods: one lost write does not drop a peer
+
+
+def announcement_lifetime(announce_period: float) -> float:
+    return LIFETIME_PERIODS * announce_period
+
+
+def is_loopback(addr: str) -> bool:
+    """Whether a multiaddr points at this machine only (useless to peers on other machines)."""
+    return "/127.0.0.1/" in addr or "/::1/" in addr
+
+
+def announceable(addrs: list[str]) -> tuple[str, ...]:
+    """The addresses a record can carry: short enough, loopback last, at most MAX_ADDRESSES."""
+    fitting = [a for a in addrs if len(a) <= MAX_TEXT]
+    fitting.sort(key=is_loopback)
+    return tuple(fitting[:MAX_ADDRESSES])
+
+
+def stage_key(swarm_id: str, stage: int) -> str:
+    return f"{swarm_id}.stage.{stage}"
+
+
+def trainers_key(swarm_id: str) -> str:
+    return f"{swarm_id}.trainers"
+
+
+def protected_keys(swarm_id: str, num_stages: int) -> list[str]:
+    """The keys whose records only the peer named by their subkey may write (swarm/trust/signing.py)."""
+    return [*(stage_key(swarm_id, stage) for stage in range(num_stages)), trainers_key(swarm_id)]
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """What a stage server says about itself."""
+
+    peer_id: str
+    stage: int
+    state: PeerState
+    throughput: float  # samples per second it can serve: the lower of its compute and network limits
+    compute_throughput: float = 0.0  # samples per second of forward+backward on its device
+    network_throughput: float = 0.0  # samples per second its links allow for this stage
+    delivered_throughput: float = 0.0  # EMA of the samples per second it actually served
+    samples_served: int = 0
+    outstanding: int = 0  # requests accepted and not yet answered
+    uptime: float = 0.0  # seconds since the peer started
+    pinned: bool = False  # serves this stage by the user's choice (--stage): never moves
+    device: str = "cpu"
+    public_name: str = ""
+    optimizer_steps: int = 0  # local optimizer steps of the stage's state this peer holds
+    averaging_round: int = 0  # number of the stage's next averaging round, as this peer knows it
+    round_samples: int = 0  # samples this peer processed since that round began
+    averaging_rounds: int = 0  # rounds this peer averaged in with at least one other peer
+    activation_bytes_sent: int = 0  # activations and gradients, to and from other peers (server and trainer)
+    activation_bytes_received: int = 0
+    averaging_bytes_sent: int = 0  # payload of averaging rounds
+    averaging_bytes_received: int = 0
+    reachable: bool = True  # False: others cannot dial it (NAT, firewall); it dials them (swarm/server/reachability.py)
+    maddrs: tuple[str, ...] = ()  # where to dial it; an unreachable peer dials these of the others
+    coordinate: Coordinate | None = None  # its network coordinate (swarm/network/coordinates.py); None: not announced
+    version: str = __version__
+    protocol_version: int = PROTOCOL_VERSION
+    expiration: float = 0.0  # filled in when read from the DHT
+
+    def to_record(self) -> dict[str, Any]:
+        record = asdict(self)
+        record.pop("expiration")
+        record["state"] = str(self.state)  # a plain string on the wire
+        record["coordinate"] = self.coordinate.to_record() if self.coordinate is not None else None
+        return record
+
+
+@dataclass(frozen=True)
+class TrainerReport:
+    """What a trainer says about its recent progress."""
+
+    peer_id: str
+    loss: float
+    samples_per_second: float
+    samples: int
+    failed_microbatches: int = 0
+    maddrs: tuple[str, ...] = ()  # where to dial it (stage peers that others cannot dial open connections here)
+    # samples each stage peer trained for this trainer since it started, as this trainer saw them done: what
+    # the stage peers' contributions are ranked by (their own `samples_served` is only their claim)
+    served: tuple[tuple[str, int], ...] = ()
+    # samples this trainer ran through its own peer's server: not an attestation (a peer cannot vouch for itself),
+    # but what lets a monitor compare a peer's own count with what trainers attest (swarm/monitor/leaderboard.py)
+    own_samples: int = 0
+    expiration: float = 0.0
+
+    def to_record(self) -> dict[str, Any]:
+        record = asdict(self)
+        record.pop("expiration")
+        record["served"] = {peer_id: samples for peer_id, samples in self.served}
+        return record
+
+
+def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) -> Announcement | None:
+    """Validate one announcement read from the DHT; None if it is malformed or of another protocol."""
+    try:
+        if not isinstance(record, dict) or record.get("protocol_version") != PROTOCOL_VERSION:
+            return None
+        ann = Announcement(
+            peer_id=_peer_id(record["peer_id"]),
+            stage=_count(record["stage"]),
+            state=PeerState(_text(record["state"])),
+            throughput=_rate(record["throughput"]),
+            compute_throughput=_rate(record["compute_throughput"]),
+            network_throughput=_rate(record["network_throughput"]),
+            delivered_throughput=_rate(record["delivered_throughput"]),
+            samples_served=_count(record["samples_served"]),
+            outstanding=_count(record["outstanding"]),
+            uptime=_duration(record["uptime"]),
+            pinned=_flag(record["pinned"]),
+            device=_printable(record["device"]),
+            public_name=_printable(record["public_name"]),
+            optimizer_steps=_count(record["optimizer_steps"]),
+            averaging_round=_count(record["averaging_round"]),
+            round_samples=_count(record["round_samples"]),
+            averaging_rounds=_count(record["averaging_rounds"]),
+            activation_bytes_sent=_count(record["activation_bytes_sent"]),
+            activation_bytes_received=_count(record["activation_bytes_received"]),
+            averaging_bytes_sent=_count(record["averaging_bytes_sent"]),
+            averaging_bytes_received=_count(record["averaging_bytes_received"]),
+            reachable=_flag(record.get("reachable", True)),  # optional: added to protocol 3 later
+            maddrs=_addresses(record.get("maddrs", [])),
+            coordinate=None if record.get("coordinate") is None else Coordinate.from_record(record["coordinate"]),
+            version=_printable(record["version"]),
+            expiration=float(expiration),
+        )
+    except (KeyError, ValueError):
+        return None
+    if ann.peer_id != subkey or ann.stage != stage:
+        return None
+    return ann
+
+
+def parse_trainer_report(subkey: Any, record: Any, expiration: float) -> TrainerReport | None:
+    """Validate one trainer report read from the DHT; None if it is malformed."""
+    try:
+        if not isinstance(record, dict):
+            return None
+        loss = record["loss"]
+        if not isinstance(loss, float) or not (loss != loss or 0 <= loss < 1e6):  # NaN: no microbatch done yet
+            return None
+        report = TrainerReport(
+            peer_id=_peer_id(record["peer_id"]),
+            loss=loss,
+            samples_per_second=_rate(record["samples_per_second"]),
+            samples=_count(record["samples"]),
+            failed_microbatches=_count(record["failed_microbatches"]),
+            maddrs=_addresses(record.get("maddrs", [])),
+            served=_served(record.get("served", {})),
+            own_samples=_count(record.get("own_samples", 0)),
+            expiration=float(expiration),
+        )
+    except (KeyError, ValueError):
+        return None
+    return report if report.peer_id == subkey else None
+
+
+def _served(value: Any) -> tuple[tuple[str, int], ...]:
+    if not isinstance(value, dict) or len(value) > MAX_ATTESTED_PEERS:
+        raise ValueError("not a table of samples served")
+    return tuple((_peer_id(peer_id), _count(samples)) for peer_id, samples in value.items())
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > MAX_TEXT:
+        raise ValueError("not a short string")
+    return value
+
+
+def _peer_id(value: Any) -> str:
+    """A libp2p peer id as text: base58 only (it is shown, used as a key and parsed by libp2p)."""
+    if not isinstance(value, str) or not PEER_ID_PATTERN.fullmatch(value):
+        raise ValueError("not a peer id")
+    return value
+
+
+def _printable(value: Any) -> str:
+    """Text shown to people (names, devices, versions): no control characters, no terminal escapes."""
+    text = _text(value)
+    if not text.isprintable():
+        raise ValueError("not printable")
+    return text
+
+
+def _addresses(value: Any) -> tuple[str, ...]:
+    """A few short strings; whether they are multiaddrs is checked where they are dialed."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_ADDRESSES:
+        raise ValueError("not a list of addresses")
+    return tuple(_text(item) for item in value)
+
+
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
+        raise ValueError("not a count")
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("not a boolean")
+    return value
+
+
+def _duration(value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1e10:
+        raise ValueError("not a duration")
+    return float(value)
+
+
+def _rate(value: Any) -> float:
+    """A throughput: finite, non-negative and at most MAX_THROUGHPUT (a stranger's claim must not swamp routing)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= MAX_THROUGHPUT:
+        raise ValueError("not a throughput")  # NaN fails the range check too
+    return float(value)
+
+
+# ------------------------------------------------------------------------------------------------ DHT I/O
+
+
+async def store_announcement(dht: DHT, swarm_id: str, ann: Announcement, lifetime: float) -> bool:
+    future = dht.store(
+        stage_key(swarm_id, ann.stage),
+        ann.to_record(),
+        expiration_time=get_dht_time() + lifetime,
+        subkey=ann.peer_id,
+        return_future=True,
+    )
+    return await asyncio.wait_for(future, DHT_TIMEOUT)
+
+
+async def store_trainer_report(dht: DHT, swarm_id: str, report: TrainerReport, lifetime: float) -> bool:
+    future = dht.store(
+        trainers_key(swarm_id),
+        report.to_record(),
+        expiration_time=get_dht_time() + lifetime,
+        subkey=report.peer_id,
+        return_future=True,
+    )
+    return await asyncio.wait_for(future, DHT_TIMEOUT)
+
+
+async def fetch_announcements(dht: DHT, swarm_id: str, stage: int) -> list[Announcement]:
+    """All valid, unexpired announcements of a stage (any state)."""
+    found = await asyncio.wait_for(dht.get(stage_key(swarm_id, stage), latest=True, return_future=True), DHT_TIMEOUT)
+    return [
+        ann
+        for subkey, item in _entries(found)
+        if (ann := parse_announcement(subkey, item.value, stage, item.expiration_time)) is not None
+    ]
+
+
+async def fetch_trainer_reports(dht: DHT, swarm_id: str) -> list[TrainerReport]:
+    found = await asyncio.wait_for(dht.get(trainers_key(swarm_id), latest=True, return_future=True), DHT_TIMEOUT)
+    return [
+        report
+        for subkey, item in _entries(found)
+        if (report := parse_trainer_report(subkey, item.value, item.expiration_time)) is not None
+    ]
+
+
+def _entries(found: Any) -> list[tuple[Any, Any]]:
+    if found is None or not isinstance(found.value, dict):
+        return []
+    now = get_dht_time()
+    return [
+        (subkey, item)
+        for subkey, item in found.value.items()
+        if now < item.expiration_time <= now + MAX_LIFETIME  # far-future records would outlive their owner
+    ]
+
+
+class SwarmView:
+    """A cached picture of the stages' announcements, refreshed from the DHT when older than `max_age`.
+
+    Many microbatches share one view; a lock makes them wait for one refresh instead of each starting its own,
+    and a forced refresh happens at most once per `min_refresh_interval` seconds.
+    """
+
+    def __init__(self, dht: DHT, swarm_id: str, num_stages: int, max_age: float, min_refresh_interval: float = 1.0):
+        self.dht, self.swarm_id, self.num_stages = dht, swarm_id, num_stages
+        self.max_age, self.min_refresh_interval = max_age, min_refresh_interval
+        self._stages: list[list[Announcement]] = [[] for _ in range(num_stages)]
+        self._updated = -float("inf")
+        self._lock = asyncio.Lock()
+
+    async def refresh(self) -> None:
+        results = await asyncio.gather(
+            *[fetch_announcements(self.dht, self.swarm_id, s) for s in range(self.num_stages)], return_exceptions=True
+        )
+        for stage, result in enumerate(results):
+            if isinstance(result, BaseException):
+                logger.warning(f"reading announcements of stage {stage} failed: {result!r}")
+            else:
+                self._stages[stage] = result
+        self._updated = get_dht_time()
+
+    async def all_stages(self, force: bool = False) -> list[list[Announcement]]:
+        """Announcements of every stage (all states), refreshed if stale, or if forced and not just refreshed."""
+        async with self._lock:
+            age = get_dht_time() - self._updated
+            if age > self.max_age or (force and age >= self.min_refresh_interval):
+                await self.refresh()
+        return list(self._stages)
+
+    async def stage(self, stage: int, force: bool = False) -> list[Announcement]:
+        return (await self.all_stages(force))[stage]

@@ -1,0 +1,519 @@
+"""The manifest: a JSON document that defines a swarm, its data model and its validation.
+
+A manifest holds the model config, the stages (layer range of each), the training settings, the data
+source and the initial peers. It is validated when parsed: every problem is reported as a ManifestError that
+names the field. Each setting's default is stated once, in its dataclass field below; the validator reads it
+from there. The swarm id is a hash of the canonical manifest *without* its initial peers, so the same
+swarm can be published with different bootstrap addresses, while any change of settings makes a new swarm.
+
+Getting a manifest from a file or a URL, and writing one, is swarm/manifests/loading.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from multiaddr import Multiaddr
+
+from swarm import PROTOCOL_VERSION
+from swarm.errors import ManifestError
+from swarm.manifests.fields import Fields, shown
+from swarm.trust.secret import SwarmSecret
+
+OPTIMIZERS = ("adamw", "sgd")
+COMPRESSIONS = ("float32", "float16", "8bit")  # of activations and gradients between stages, and of averaging
+ACTIVATION_COMPRESSIONS = (*COMPRESSIONS, "bfloat16")  # (hivemind's averaging has no bfloat16 codec)
+AVERAGING_COMPRESSIONS = (*COMPRESSIONS, "4bit")  # 4bit: for diloco's pseudo-gradients (swarm/averaging/quantization.py)
+ARCHITECTURES = ("gpt", "llama")  # swarm/architectures/
+PRECISIONS = ("float32", "bfloat16", "float16")  # autocast dtypes; weights and optimizer state stay float32
+AVERAGING_MODES = ("parameters", "diloco", "none")
+
+
+@dataclass(frozen=True, kw_only=True)  # keyword-only: a required field (the shape) may follow one with a default
+class ModelConfig:
+    """The model's shape. gpt: GPT-2 blocks (LayerNorm, learned positions, GELU MLP, biases). llama: RMSNorm,
+    rotary positions (Hugging Face's convention), SwiGLU MLP, grouped-query attention, no biases."""
+
+    architecture: str = "gpt"
+    vocab_size: int = 256
+    width: int  # a manifest must state its model's shape
+    depth: int
+    heads: int
+    context_length: int
+    kv_heads: int = 0  # heads of keys and values (grouped-query attention); 0: as many as heads
+    intermediate_size: int = 0  # of the MLP; 0: 4 x width (gpt), or SwiGLU's 8/3 x width rounded up to 256 (llama)
+    tie_embeddings: bool = False  # the LM head reuses the token embeddings (only a one-stage swarm can)
+    rope_theta: float = 10000.0  # llama
+    norm_eps: float = 1e-5
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    @property
+    def key_value_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def mlp_width(self) -> int:
+        if self.intermediate_size:
+            return self.intermediate_size
+        if self.architecture == "gpt":
+            return 4 * self.width
+        return 256 * -(-(8 * self.width // 3) // 256)  # Llama's rule: 2/3 of 4 x width, a multiple of 256
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    forward: float = 30.0
+    backward: float = 60.0
+    microbatch: float = 300.0
+
+
+PIPELINES = ("forward", "relay")
+ROUTINGS = ("network_aware", "compute_only")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    microbatch_size: int = 16
+    microbatches_per_step: int = 4
+    optimizer: str = "adamw"
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    # microbatches a trainer keeps in flight; more pipelines better but makes stage 0's gradients staler, which
+    # costs more loss than it gains when a swarm has many trainers (docs/BENCHMARKS.md, convergence)
+    max_in_flight: int = 1
+    # with the forward pipeline, the number in flight adapts to the route (swarm/client/window.py), up to
+    # max_in_flight; false: always max_in_flight
+    adaptive_window: bool = True
+    # a stage whose gradients come back late steps with a smaller learning rate (swarm/server/staleness.py)
+    delay_scaled_lr: bool = True
+    # of activations and gradients between stages: 8-bit is 4x fewer bytes than float32 at no measured loss, and
+    # faster even on loopback (docs/BENCHMARKS.md, "Over emulated internet links")
+    activation_compression: str = "8bit"
+    # the dtype stages compute in (autocast): weights, gradients and optimizer state stay float32; float16 runs
+    # with a loss scaler at every stage (swarm/server/precision.py). Activations travel in it unless compressed more.
+    precision: str = "float32"
+    # recompute a stage's blocks in backward instead of keeping their activations: less memory, ~1/3 more compute
+    activation_checkpointing: bool = False
+    # forward: stages send activations to each other (server/forwarding.py); relay: the trainer carries them
+    # between stages (the protocol before issue 14, kept to compare against)
+    pipeline: str = "forward"
+    # network_aware: routes count the transfers between hops (latency and bandwidth); compute_only: they do not
+    routing: str = "network_aware"
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What trainers read. `source` is "stdlib", a text file, a folder, a .jsonl or .parquet file (each peer
+    tokenizes it into token shards once, swarm/dataset/corpus.py), or a folder that `swarm-data prepare` wrote (then
+    `index_sha256` pins its index, so every trainer reads the same shards)."""
+
+    source: str = "stdlib"
+    heldout_fraction: float = 0.05
+    shards: int = 8  # train shards a raw source is cut into (a prepared folder has its own)
+    index_sha256: str = ""  # of a prepared folder's index.json; "": the source is raw text
+    tokenizer: str = ""  # a tokenizer.json's name next to the manifest (or a URL); "": bytes (vocabulary 256)
+    tokenizer_sha256: str = ""  # the tokenizer file's SHA-256: peers refuse any other file
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    announce_period: float = 5.0
+    secret_file: str = ""  # a private swarm's secret is in this file (see swarm/trust/secret.py); "": a public swarm
+
+
+@dataclass(frozen=True)
+class BalancingConfig:
+    check_period: float = 10.0  # mean seconds between a peer's checks of the balance (each randomized 0.5-1.5x)
+    min_gain: float = 0.1  # peers move only if that raises the swarm's bottleneck by more than this fraction
+
+
+@dataclass(frozen=True)
+class AveragingConfig:
+    """How the peers of a stage average with each other (see swarm/averaging/rules.py).
+
+    parameters: each round averages the parameters (and, with optimizer_state, the optimizer's statistics),
+                weighted by the samples each peer processed since its last round.
+    diloco:     each round averages the pseudo-gradient (parameters at the last round minus now) and applies it
+                to the last round's parameters with an outer SGD with Nesterov momentum (DiLoCo, Douillard et
+                al. 2023); the replicas share that anchor.
+    none:       replicas never average (a baseline for benchmarks; replicas drift apart).
+
+    The defaults were chosen with benchmarks/convergence.py (docs/BENCHMARKS.md, "Against synchronous data
+    parallel"): diloco at 4 bits every 4096 samples, outer lr 1.0 without momentum, was within 1% of synchronous
+    data parallel at over 500x less traffic; DiLoCo's published 0.7 with Nesterov 0.9 overshot at these horizons.
+    """
+
+    mode: str = "diloco"
+    every_samples: int = 4096  # samples processed by the stage, across the swarm, between two rounds
+    optimizer_state: bool = False  # parameters mode: also average the optimizer's statistics
+    compression: str = "4bit"  # when the manifest names none: 4bit in diloco mode, 8bit in the others
+    outer_learning_rate: float = 1.0  # diloco mode
+    outer_momentum: float = 0.0  # diloco mode (Nesterov)
+    matchmaking_time: float = 5.0  # seconds a round waits for the stage's other peers to join it
+    timeout: float = 60.0  # a round that has not finished by then is given up
+
+
+@dataclass(frozen=True)
+class PretrainedConfig:
+    """Where the initial weights come from: "" (the seeded initialisation, swarm/architectures/model.py) or a Hugging Face
+    Llama folder (config.json, model.safetensors), whose weights' SHA-256 is pinned (swarm/hf/pretrained.py)."""
+
+    path: str = ""  # relative to the manifest's folder, or absolute
+    sha256: str = ""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    model: ModelConfig
+    stages: tuple[tuple[int, int], ...]
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    balancing: BalancingConfig = field(default_factory=BalancingConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    pretrained: PretrainedConfig = field(default_factory=PretrainedConfig)
+    initial_peers: tuple[str, ...] = ()
+    protocol_version: int = PROTOCOL_VERSION
+    # a private swarm's secret, read from network.secret_file when the manifest is loaded; never written out
+    secret: SwarmSecret | None = field(default=None, compare=False, repr=False)
+    # where the manifest was read from (a file's folder or a URL), to find the files it names; never written out
+    origin: str = field(default="", compare=False, repr=False)
+
+    @property
+    def private(self) -> bool:
+        return bool(self.network.secret_file)
+
+    def proof(self, peer_id: str) -> str | None:
+        """What a request from `peer_id` carries to prove membership of a private swarm (None: a public one)."""
+        if not self.private:
+            return None
+        if self.secret is None:
+            raise ManifestError(
+                "this swarm is private, but its secret was not loaded (load the manifest from its file)"
+            )
+        return self.secret.proof(peer_id)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_layers(self, stage: int) -> range:
+        start, end = self.stages[stage]
+        return range(start, end)
+
+    def to_dict(self, with_peers: bool = True) -> dict[str, Any]:
+        """The canonical JSON-compatible form (stages written out explicitly). Settings added after swarms were
+        published (LATER_FIELDS) are left out while they have their defaults, so those swarms keep their ids."""
+        result = {
+            "name": self.name,
+            "protocol_version": self.protocol_version,
+            "model": _without_later_defaults(self.model),
+            "stages": {"count": self.num_stages, "layers": [list(r) for r in self.stages]},
+            "training": _without_later_defaults(self.training),
+            "data": _without_later_defaults(self.data),
+            # a public swarm's manifest does not mention the secret file (its swarm id stays as it was)
+            "network": {k: v for k, v in dataclasses.asdict(self.network).items() if k != "secret_file" or v},
+            "balancing": dataclasses.asdict(self.balancing),
+            "averaging": dataclasses.asdict(self.averaging),
+        }
+        if self.pretrained.path:  # written only when set
+            result["pretrained"] = dataclasses.asdict(self.pretrained)
+        if with_peers:
+            result["initial_peers"] = list(self.initial_peers)
+        return result
+
+    @functools.cached_property
+    def swarm_id(self) -> str:
+        """Hash of the canonical manifest without initial peers: prefixes every DHT key of this swarm."""
+        canonical = json.dumps(self.to_dict(with_peers=False), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def with_initial_peers(self, peers: list[str]) -> Manifest:
+        return dataclasses.replace(self, initial_peers=tuple(validate_multiaddrs(peers, "initial_peers")))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+# settings added by issue 16: written out only when they differ from their defaults
+LATER_FIELDS = {
+    ModelConfig: ("architecture", "kv_heads", "intermediate_size", "tie_embeddings", "rope_theta", "norm_eps"),
+    TrainingConfig: ("precision", "activation_checkpointing"),
+    DataConfig: ("index_sha256", "tokenizer", "tokenizer_sha256"),
+}
+
+
+def _without_later_defaults(section: Any) -> dict[str, Any]:
+    defaults = {f.name: f.default for f in dataclasses.fields(section)}
+    later = LATER_FIELDS[type(section)]
+    return {k: v for k, v in dataclasses.asdict(section).items() if k not in later or v != defaults[k]}
+
+
+def parse_manifest(text: str, origin: str = "manifest") -> Manifest:
+    """Validate a manifest given as JSON text; `origin` names it in the error if the text is not JSON."""
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, integers of thousands of digits, deep nesting
+        raise ManifestError(f"{origin} is not valid JSON: {str(e)[:200] or type(e).__name__}") from None
+    return manifest_from_dict(raw)
+
+
+def manifest_from_dict(raw: Any) -> Manifest:
+    """Validate a decoded manifest; raise ManifestError naming the first bad field. A missing field takes its
+    dataclass field's default."""
+    obj = Fields(raw, "manifest", Manifest)
+    version = obj.integer("protocol_version", minimum=1)
+    if version != PROTOCOL_VERSION:
+        raise ManifestError(
+            f"manifest field 'protocol_version': this Swarm speaks protocol {PROTOCOL_VERSION}, the manifest "
+            f"asks for {version}; upgrade or downgrade swarm to match the swarm you are joining"
+        )
+    name = obj.string("name")
+
+    m = obj.section("model", ModelConfig)
+    model = ModelConfig(
+        architecture=m.choice("architecture", ARCHITECTURES),
+        vocab_size=m.integer("vocab_size", minimum=2, maximum=1_000_000),
+        width=m.integer("width", minimum=1, maximum=65536),
+        depth=m.integer("depth", minimum=1, maximum=1024),
+        heads=m.integer("heads", minimum=1, maximum=1024),
+        context_length=m.integer("context_length", minimum=1, maximum=1_000_000),
+        kv_heads=m.integer("kv_heads", minimum=0, maximum=1024),
+        intermediate_size=m.integer("intermediate_size", minimum=0, maximum=1_000_000),
+        tie_embeddings=m.boolean("tie_embeddings"),
+        rope_theta=m.number("rope_theta", minimum=1.0, maximum=1e9),
+        norm_eps=m.number("norm_eps", minimum=1e-12, maximum=0.1),
+        seed=m.integer("seed", minimum=0, maximum=2**63 - 1),
+    )
+    m.no_unknown()
+    _check_model(model)
+
+    stages = _parse_stages(obj.section("stages"), model.depth)
+    if model.tie_embeddings and len(stages) > 1:
+        raise ManifestError(
+            f"manifest field 'model.tie_embeddings': the embeddings (stage 0) and the LM head (stage "
+            f"{len(stages) - 1}) are on different peers, so they cannot share one tensor; set it to false (a tied "
+            "pretrained model is untied when it is split into stages)"
+        )
+
+    t = obj.section("training", TrainingConfig)
+    tt = t.section("timeouts", Timeouts)
+    timeouts = Timeouts(
+        forward=tt.number("forward", minimum=0.1),
+        backward=tt.number("backward", minimum=0.1),
+        microbatch=tt.number("microbatch", minimum=0.1),
+    )
+    tt.no_unknown()
+    training = TrainingConfig(
+        microbatch_size=t.integer("microbatch_size", minimum=1, maximum=65536),
+        microbatches_per_step=t.integer("microbatches_per_step", minimum=1, maximum=1_000_000),
+        optimizer=t.choice("optimizer", OPTIMIZERS),
+        learning_rate=t.number("learning_rate", minimum=0.0, maximum=100.0),
+        weight_decay=t.number("weight_decay", minimum=0.0, maximum=100.0),
+        # clipping bounds what one (possibly hostile) gradient can do to the weights: it cannot be turned off
+        max_grad_norm=t.number("max_grad_norm", minimum=1e-6),
+        max_in_flight=t.integer("max_in_flight", minimum=1, maximum=1024),
+        adaptive_window=t.boolean("adaptive_window"),
+        delay_scaled_lr=t.boolean("delay_scaled_lr"),
+        activation_compression=t.choice("activation_compression", ACTIVATION_COMPRESSIONS),
+        precision=t.choice("precision", PRECISIONS),
+        activation_checkpointing=t.boolean("activation_checkpointing"),
+        pipeline=t.choice("pipeline", PIPELINES),
+        routing=t.choice("routing", ROUTINGS),
+        timeouts=timeouts,
+    )
+    t.no_unknown()
+
+    d = obj.section("data", DataConfig)
+    data = DataConfig(
+        source=d.string("source"),
+        heldout_fraction=d.number("heldout_fraction", minimum=0.001, maximum=0.5),
+        shards=d.integer("shards", minimum=1, maximum=100_000),
+        index_sha256=_sha256(d, "index_sha256"),
+        tokenizer=_file_name(d, "tokenizer"),
+        tokenizer_sha256=_sha256(d, "tokenizer_sha256"),
+    )
+    d.no_unknown()
+    if bool(data.tokenizer) != bool(data.tokenizer_sha256):
+        raise ManifestError(
+            "manifest fields 'data.tokenizer' and 'data.tokenizer_sha256': give both (a tokenizer file and its "
+            "SHA-256) or neither (bytes); swarm-init --tokenizer writes both"
+        )
+    if not data.tokenizer and model.vocab_size < 256:
+        raise ManifestError(
+            f"manifest field 'model.vocab_size': {model.vocab_size} is fewer than the 256 byte values the swarm's "
+            "byte vocabulary needs (it names no tokenizer)"
+        )
+
+    p = obj.section("pretrained", PretrainedConfig)
+    pretrained = PretrainedConfig(path=_file_name(p, "path"), sha256=_sha256(p, "sha256"))
+    p.no_unknown()
+    if bool(pretrained.path) != bool(pretrained.sha256):
+        raise ManifestError(
+            "manifest fields 'pretrained.path' and 'pretrained.sha256': give both or neither; swarm-init "
+            "--from-pretrained writes both"
+        )
+
+    n = obj.section("network", NetworkConfig)
+    secret_file = n.string("secret_file", empty=True)  # "": a public swarm
+    if len(secret_file) > 1024 or not secret_file.isprintable():
+        raise ManifestError("network.secret_file: must be a path of at most 1024 printable characters")
+    network = NetworkConfig(
+        announce_period=n.number("announce_period", minimum=0.2, maximum=600.0),
+        secret_file=secret_file,
+    )
+    n.no_unknown()
+
+    b = obj.section("balancing", BalancingConfig)
+    balancing = BalancingConfig(
+        check_period=b.number("check_period", minimum=1.0, maximum=86400.0),
+        min_gain=b.number("min_gain", minimum=0.0, maximum=10.0),
+    )
+    b.no_unknown()
+
+    a = obj.section("averaging", AveragingConfig)
+    mode = a.choice("mode", AVERAGING_MODES)
+    compression = a.choice("compression", AVERAGING_COMPRESSIONS) if "compression" in a.raw else None
+    if compression is None:  # 4 bits suit diloco's pseudo-gradients, not parameters (swarm/averaging/quantization.py)
+        compression = "4bit" if mode == "diloco" else "8bit"
+    elif compression == "4bit" and mode == "parameters":  # (mode none never averages: any codec will do)
+        raise ManifestError(
+            f"{a._name('compression')}: 4bit is for diloco mode (it would cut the parameters themselves into 16 "
+            "levels every round); use 8bit with parameters mode"
+        )
+    averaging = AveragingConfig(
+        mode=mode,
+        every_samples=a.integer("every_samples", minimum=1, maximum=10**12),
+        optimizer_state=a.boolean("optimizer_state"),
+        compression=compression,
+        outer_learning_rate=a.number("outer_learning_rate", minimum=0.0, maximum=10.0),
+        outer_momentum=a.number("outer_momentum", minimum=0.0, maximum=0.999),
+        matchmaking_time=a.number("matchmaking_time", minimum=0.5, maximum=600.0),
+        timeout=a.number("timeout", minimum=1.0, maximum=3600.0),
+    )
+    a.no_unknown()
+
+    initial_peers = tuple(validate_multiaddrs(obj.array("initial_peers", "multiaddr strings"), "initial_peers"))
+    obj.no_unknown()
+    return Manifest(
+        name=name,
+        model=model,
+        stages=stages,
+        training=training,
+        data=data,
+        network=network,
+        balancing=balancing,
+        averaging=averaging,
+        pretrained=pretrained,
+        initial_peers=initial_peers,
+        protocol_version=version,
+    )
+
+
+def _sha256(fields: Fields, key: str) -> str:
+    value = fields.string(key, empty=True)
+    if value and not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise ManifestError(f"{fields._name(key)}: must be a SHA-256 in 64 lowercase hex digits, got {shown(value)}")
+    return value
+
+
+def _file_name(fields: Fields, key: str) -> str:
+    value = fields.string(key, empty=True)
+    if len(value) > 1024 or not value.isprintable():
+        raise ManifestError(f"{fields._name(key)}: must be a path or URL of at most 1024 printable characters")
+    return value
+
+
+def _check_model(model: ModelConfig) -> None:
+    if model.width % model.heads != 0:
+        raise ManifestError(
+            f"manifest field 'model.heads': width {model.width} must be divisible by heads {model.heads}"
+        )
+    if model.heads % model.key_value_heads != 0:
+        raise ManifestError(
+            f"manifest field 'model.kv_heads': heads {model.heads} must be a multiple of kv_heads "
+            f"{model.key_value_heads} (each key/value head serves a group of query heads)"
+        )
+    if model.architecture == "gpt" and model.key_value_heads != model.heads:
+        raise ManifestError("manifest field 'model.kv_heads': gpt blocks have one key/value head per head; use 0")
+    if model.architecture == "llama" and model.head_dim % 2:
+        raise ManifestError(
+            f"manifest field 'model.heads': rotary embeddings need an even head size, width/heads is {model.head_dim}"
+        )
+
+
+def even_stages(depth: int, count: int) -> tuple[tuple[int, int], ...]:
+    """Split `depth` layers into `count` contiguous ranges whose sizes differ by at most one."""
+    bounds = [round(i * depth / count) for i in range(count + 1)]
+    return tuple((bounds[i], bounds[i + 1]) for i in range(count))
+
+
+def _parse_stages(s: Fields, depth: int) -> tuple[tuple[int, int], ...]:
+    count = s.integer("count", minimum=1, maximum=depth)
+    layers = s.get("layers", default=None)  # None: an even split
+    s.no_unknown()
+    if layers is None:
+        return even_stages(depth, count)
+    if not isinstance(layers, list) or len(layers) != count:
+        raise ManifestError(
+            f"manifest field 'stages.layers': must be a list of {count} [start, end) layer ranges, one per stage"
+        )
+    expected_start = 0
+    ranges = []
+    for i, item in enumerate(layers):
+        where = f"stages.layers[{i}]"
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
+        ):
+            raise ManifestError(f"manifest field '{where}': must be a pair of integers [start, end), got {shown(item)}")
+        start, end = item
+        if start != expected_start:
+            raise ManifestError(
+                f"manifest field '{where}': stage {i} must start at layer {expected_start} so that stages are "
+                f"contiguous, got {start}"
+            )
+        if end <= start:
+            raise ManifestError(f"manifest field '{where}': a stage needs at least one layer, got [{start}, {end})")
+        ranges.append((start, end))
+        expected_start = end
+    if expected_start != depth:
+        raise ManifestError(
+            f"manifest field 'stages.layers': the stages cover layers [0, {expected_start}) but model.depth is {depth}"
+        )
+    return tuple(ranges)
+
+
+def validate_multiaddrs(values: list[Any], where: str) -> list[str]:
+    """Parse every multiaddr with the `multiaddr` library; raise ManifestError on the first bad one."""
+    result = []
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            raise ManifestError(f"manifest field '{where}[{i}]': must be a multiaddr string, got {shown(value)}")
+        try:
+            addr = Multiaddr(value)
+        except Exception as e:  # the multiaddr library raises several unrelated types
+            raise ManifestError(
+                f"manifest field '{where}[{i}]': {shown(value)} is not a valid multiaddr ({e})"
+            ) from None
+        if "p2p" not in [p.name for p in addr.protocols()]:
+            raise ManifestError(
+                f"manifest field '{where}[{i}]': {shown(value)} has no /p2p/<peer id> part; copy the full address "
+                "that swarm-peer printed"
+            )
+        result.append(str(addr))
+    return result

@@ -1,0 +1,128 @@
+"""Checkpoints of a stage's state: one safetensors file per stage, written atomically.
+
+A checkpoint holds everything a stage server hands to a peer that takes the stage over (parameters, optimizer
+statistics, DiLoCo's outer state, named as in swarm/server/stage_state.py) and, in the file's metadata, the swarm id,
+the stage, its layers, the counters (optimizer steps, averaging round) and when it was saved. It is written
+atomically (swarm/files.py): a crash leaves either the old checkpoint or the new one, never half of one.
+
+Loading checks before anything is used: the file must parse, belong to this swarm and this stage, and carry
+counters; the tensors are then checked against the model like any state from another peer
+(StageServer.load_state).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from swarm.errors import SwarmError
+from swarm.files import atomic_write
+from swarm.manifests.manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "swarm-stage-checkpoint/1"
+
+
+class CheckpointError(SwarmError):
+    """A checkpoint file that cannot be used: unreadable, corrupt, or of another swarm or stage."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    stage: int
+    items: list[tuple[str, torch.Tensor]]
+    counters: dict[str, int]
+    saved_at: float  # unix time
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.counters.get("optimizer_steps", 0)
+
+
+def default_checkpoint_dir(manifest: Manifest) -> Path:
+    """$SWARM_CACHE_DIR (or ~/.cache/swarm)/checkpoints/<swarm id>: one folder per swarm."""
+    root = Path(os.environ.get("SWARM_CACHE_DIR") or Path.home() / ".cache" / "swarm")
+    return root / "checkpoints" / manifest.swarm_id
+
+
+def checkpoint_path(directory: Path, stage: int) -> Path:
+    return Path(directory) / f"stage-{stage}.safetensors"
+
+
+def save_checkpoint(
+    directory: Path, manifest: Manifest, stage: int, items: list[tuple[str, torch.Tensor]], counters: dict[str, int]
+) -> Path:
+    """Write the stage's state atomically (swarm/files.py); the path written. OSError if that is impossible."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = checkpoint_path(directory, stage)
+    metadata = {
+        "format": FORMAT,
+        "swarm_id": manifest.swarm_id,
+        "swarm_name": manifest.name,
+        "stage": str(stage),
+        "layers": json.dumps(list(manifest.stages[stage])),
+        "counters": json.dumps({key: int(value) for key, value in counters.items()}),
+        "saved_at": repr(time.time()),
+    }
+    tensors = {name: tensor.contiguous() for name, tensor in items}
+    atomic_write(path, lambda temporary: save_file(tensors, temporary, metadata=metadata))
+    return path
+
+
+def load_checkpoint(path: Path, manifest: Manifest, stage: int) -> Checkpoint:
+    """Read a checkpoint of `stage` of this swarm; CheckpointError, naming the problem, if it is not one."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            items = [(name, f.get_tensor(name)) for name in f.keys()]  # noqa: SIM118 (safe_open is not a dict)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except (OSError, ValueError, SafetensorError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: {e}); delete it"
+        ) from None
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a Swarm stage checkpoint (no '{FORMAT}' in its metadata)")
+    if metadata.get("swarm_id") != manifest.swarm_id:
+        raise CheckpointError(
+            f"checkpoint {path} belongs to swarm {str(metadata.get('swarm_id'))[:40]!r}, not to this swarm "
+            f"({manifest.swarm_id}); it was not loaded"
+        )
+    if metadata.get("stage") != str(stage):
+        raise CheckpointError(f"checkpoint {path} holds stage {metadata.get('stage')}, not stage {stage}; not loaded")
+    try:
+        counters = json.loads(metadata["counters"])
+        saved_at = float(metadata["saved_at"])
+        if not isinstance(counters, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**53 for v in counters.values()
+        ):
+            raise ValueError("counters must be non-negative integers")
+    except (KeyError, ValueError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {path} has malformed metadata ({str(e)[:200]}); delete it") from None
+    return Checkpoint(path, stage, items, counters, saved_at)
+
+
+def find_checkpoint(directory: Path | None, manifest: Manifest, stage: int) -> Checkpoint | None:
+    """The checkpoint of `stage` in `directory`, if there is a usable one; a bad one is reported and skipped."""
+    if directory is None:
+        return None
+    path = checkpoint_path(directory, stage)
+    if not path.exists():
+        return None
+    try:
+        return load_checkpoint(path, manifest, stage)
+    except CheckpointError as e:
+        logger.error(f"{e}")
+        return None

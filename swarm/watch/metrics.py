@@ -1,0 +1,344 @@
+"""Prometheus metrics of one peer (`swarm-peer --metrics-port N`).
+
+Nothing is counted for this module: at each scrape, a collector takes the snapshots the peer's status line and
+announcement read too (StageStats of its current StageServer, TrainerStats of its Trainer: swarm/watch/stats.py) and
+the Rebalancer's moves and traffic, so serving and training pay nothing for it. The peer's objects change on its
+event loop (and the stage's counters in its worker thread), so the collector reads them on the event loop too: a
+scrape waits for one turn of the loop, and gets figures that belong together.
+
+Names follow Prometheus' conventions: prefix `swarm_`, counters end in `_total`, units in the name. Every
+series carries `swarm_id` and `peer_id`; those of the served stage carry `stage` too (a peer that moves starts
+new series, whose counters start at zero again). `swarm_peer_info` holds the descriptive labels (version,
+device, public name). Until the trainer has completed a microbatch, `swarm_trainer_loss` is left out rather
+than NaN: a NaN would turn every aggregation over peers (avg, max) into NaN, while a missing series is simply
+skipped.
+
+The HTTP server is prometheus_client's, in a daemon thread, on its own registry (not the process-wide one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from swarm import PROTOCOL_VERSION, __version__
+from swarm.client.trainer import Trainer
+from swarm.dht.records import PeerState
+from swarm.errors import PeerStartError
+from swarm.server.rebalancer import Rebalancer
+from swarm.throughput import device_name
+from swarm.trust.signing import rejected_records
+
+logger = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT = 5.0  # seconds a scrape waits for the event loop before it answers with the static metrics only
+
+
+class _Families:
+    """Metric families under construction; every sample gets the peer's identifying labels."""
+
+    def __init__(self, identity: dict[str, str]):
+        self.identity = identity
+        self.families: dict[str, Metric] = {}
+
+    def add(self, family_type: type, name: str, doc: str, value: float, /, **labels: object) -> None:
+        values = {**self.identity, **{key: str(text) for key, text in labels.items()}}
+        family = self.families.get(name)
+        if family is None:
+            family = self.families[name] = family_type(name, doc, labels=list(values))
+        family.add_metric(list(values.values()), value)
+
+    def gauge(self, name: str, doc: str, value: float, /, **labels: object) -> None:
+        self.add(GaugeMetricFamily, name, doc, value, **labels)
+
+    def counter(self, name: str, doc: str, value: float, /, **labels: object) -> None:
+        assert name.endswith("_total")
+        self.add(CounterMetricFamily, name, doc, value, **labels)
+
+
+class PeerCollector(Collector):
+    """Reads a peer's live objects at each scrape: `rebalancer` (and its current server) and, if the peer trains,
+    the Trainer that `trainer()` returns (None until it exists, or if the peer does not train)."""
+
+    def __init__(
+        self,
+        rebalancer: Rebalancer,
+        trainer: Callable[[], Trainer | None] = lambda: None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        timeout: float = SCRAPE_TIMEOUT,
+    ):
+        self.rebalancer, self.trainer, self.loop, self.timeout = rebalancer, trainer, loop, timeout
+        manifest = rebalancer.manifest
+        self.identity = {"swarm_id": manifest.swarm_id, "peer_id": rebalancer.peer_id}
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # the registry must not call collect() (from the registering thread) to learn the names
+
+    def collect(self) -> Iterable[Metric]:
+        static = _Families(self.identity)
+        self._static(static)
+        live = self._on_loop(self._live)
+        if live is None:
+            logger.info(
+                f"metrics scrape: the event loop did not answer within {self.timeout:g}s; sent the static metrics only"
+            )
+        return [*static.families.values(), *(live or [])]
+
+    def _on_loop(self, read: Callable[[], list[Metric]]) -> list[Metric] | None:
+        """`read()`, run on the peer's event loop (where its objects change); None if the loop did not run it in
+        time (it is blocked, or closed because the peer is stopping)."""
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if self.loop is None or here is self.loop:
+            return read()
+        done: concurrent.futures.Future[list[Metric]] = concurrent.futures.Future()
+
+        def run() -> None:
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(read())
+                except BaseException as e:
+                    done.set_exception(e)
+
+        try:
+            self.loop.call_soon_threadsafe(run)
+        except RuntimeError:  # the loop is closed
+            return None
+        try:
+            return done.result(timeout=self.timeout)  # a bug in `read` raises here: the scrape fails (HTTP 500)
+        except TimeoutError:
+            done.cancel()
+            return None
+
+    def _static(self, f: _Families) -> None:
+        rebalancer = self.rebalancer
+        info = InfoMetricFamily(
+            "swarm_peer",
+            "This peer: its software, device and public name (value 1)",
+            value={
+                **self.identity,
+                "swarm_name": rebalancer.manifest.name,
+                "version": __version__,
+                "protocol_version": str(PROTOCOL_VERSION),
+                "device": device_name(rebalancer.device),
+                "public_name": rebalancer.options.public_name,
+            },
+        )
+        f.families[info.name] = info
+        f.gauge("swarm_peer_uptime_seconds", "Seconds since this peer started", time.monotonic() - rebalancer.started)
+        try:  # (the scrape's thread may wait on the DHT's process; the event loop must not)
+            refused = rejected_records(rebalancer.dht)
+        except Exception as e:  # the DHT process is gone (the peer is stopping)
+            logger.debug(f"metrics scrape: could not count refused records: {e!r}")
+        else:
+            f.counter(
+                "swarm_records_refused_total",
+                "DHT records this peer's node refused for a bad or missing signature (forgeries, or older peers)",
+                refused,
+            )
+
+    def _live(self) -> list[Metric]:
+        f = _Families(self.identity)
+        rebalancer, server = self.rebalancer, self.rebalancer.server
+        state = PeerState.JOINING if server is None else server.state  # no server yet: choosing, measuring, downloading
+        for name in PeerState:
+            f.gauge(
+                "swarm_peer_state",
+                "1 for the peer's current state: joining (choosing its stage, measuring, taking over the stage's "
+                "state), online (serving) or offline (draining or stopping); 0 for the others",
+                float(name == state),
+                state=name,
+            )
+        f.counter("swarm_peer_moves_total", "Moves of this peer from one stage to another", rebalancer.moves)
+        traffic = rebalancer.traffic
+        sent_doc = "Bytes this peer sent: activations and gradients between stages, and averaging payload (estimated)"
+        received_doc = sent_doc.replace("sent", "received")
+        f.counter("swarm_sent_bytes_total", sent_doc, traffic.activation_sent, kind="activations")
+        f.counter("swarm_sent_bytes_total", sent_doc, traffic.averaging_sent, kind="averaging")
+        f.counter("swarm_received_bytes_total", received_doc, traffic.activation_received, kind="activations")
+        f.counter("swarm_received_bytes_total", received_doc, traffic.averaging_received, kind="averaging")
+
+        errors_doc = (
+            "Errors, by kind: bad_request (a stage request refused as malformed), busy (a request refused because "
+            "too many were in flight), banned (a request refused unread: its sender sent too many bad ones), "
+            "failed_averaging_round (an averaging round of the stage that did not happen or was dropped), "
+            "failed_microbatch (the trainer dropped a microbatch)"
+        )
+        if server is not None:
+            stats = server.stats()
+            stage = stats.stage
+            f.gauge("swarm_peer_stage", "The stage this peer serves", stage)
+            f.counter(
+                "swarm_stage_samples_served_total",
+                "Samples this peer served for the stage (forward and backward count once)",
+                stats.samples_served,
+                stage=stage,
+            )
+            f.counter(
+                "swarm_stage_optimizer_steps_total",
+                "Optimizer steps of the stage's state on this peer, including those taken over with the state",
+                stats.optimizer_steps,
+                stage=stage,
+            )
+            f.counter(
+                "swarm_stage_recomputed_forwards_total",
+                "Backward passes that recomputed forward (its activations were gone, e.g. after another peer failed)",
+                stats.recomputed_forwards,
+                stage=stage,
+            )
+            f.gauge(
+                "swarm_stage_outstanding_requests",
+                "Forward and backward requests queued or running on this peer",
+                stats.outstanding,  # what the peer announces as `outstanding`
+                stage=stage,
+            )
+            for kind, value, doc in (
+                (
+                    "serving",
+                    stats.throughput,
+                    "Samples per second this peer can serve (the lower of compute and network)",
+                ),
+                (
+                    "compute",
+                    stats.compute_throughput,
+                    "Samples per second this peer's device can compute for the stage",
+                ),
+                ("network", stats.network_throughput, "Samples per second this peer's links allow for the stage"),
+                (
+                    "delivered",
+                    stats.delivered_throughput,
+                    "Samples per second this peer served lately (EMA, half-life 30s)",
+                ),
+            ):
+                f.gauge(f"swarm_stage_{kind}_throughput_samples_per_second", doc, value, stage=stage)
+            f.gauge(
+                "swarm_stage_averaging_round",
+                "Number of the stage's next averaging round",
+                stats.averaging_round,
+                stage=stage,
+            )
+            f.counter(
+                "swarm_stage_averaging_rounds_total",
+                "Averaging rounds of the stage this peer took part in with at least one other peer",
+                stats.averaging_rounds,
+                stage=stage,
+            )
+            f.gauge(
+                "swarm_stage_averaging_group_size",
+                "Peers in this peer's last averaging round (0: none yet)",
+                stats.last_group_size,
+                stage=stage,
+            )
+            f.counter(
+                "swarm_stage_checkpoints_saved_total",
+                "Checkpoints of the stage saved by this peer",
+                stats.checkpoints_saved,
+                stage=stage,
+            )
+            f.counter("swarm_errors_total", errors_doc, stats.bad_requests, kind="bad_request", stage=stage)
+            f.counter("swarm_errors_total", errors_doc, stats.busy_replies, kind="busy", stage=stage)
+            f.counter("swarm_errors_total", errors_doc, stats.banned_replies, kind="banned", stage=stage)
+            f.counter("swarm_stage_bans_total", "Peers this peer banned for bad requests", stats.bans, stage=stage)
+            f.counter(
+                "swarm_stage_averaging_strikes_total",
+                "Flags this peer gave averaging partners whose values were far from the round's robust aggregate",
+                stats.averaging_strikes,
+                stage=stage,
+            )
+            f.counter(
+                "swarm_stage_averaging_exclusions_total",
+                "Averaging partners this peer excluded from its rounds for repeated far-off values",
+                stats.averaging_exclusions,
+                stage=stage,
+            )
+            f.counter(
+                "swarm_errors_total",
+                errors_doc,
+                stats.averaging_rounds_failed,
+                kind="failed_averaging_round",
+                stage=stage,
+            )
+
+        trainer = self.trainer()
+        if trainer is not None:
+            trainer_stats = trainer.stats()
+            loss, speed = trainer_stats.loss, trainer_stats.samples_per_second
+            f.counter("swarm_trainer_samples_total", "Samples this peer's trainer trained on", trainer_stats.samples)
+            f.counter(
+                "swarm_trainer_microbatches_total",
+                "Microbatches this peer's trainer completed",
+                trainer_stats.microbatches,
+            )
+            f.gauge(
+                "swarm_trainer_throughput_samples_per_second",
+                "Samples per second this peer's trainer completed, over the last 30 seconds",
+                speed,
+            )
+            if loss == loss:  # NaN until a microbatch has completed (in the last 30 seconds): left out, see above
+                f.gauge("swarm_trainer_loss", "Mean training loss of the trainer's microbatches of the last 30 s", loss)
+            unserved = set(trainer_stats.unserved_stages)
+            for stage in range(rebalancer.manifest.num_stages):
+                f.gauge(
+                    "swarm_trainer_stage_unserved",
+                    "1 if the trainer found no online peer of the stage at its last look (it waits for one)",
+                    float(stage in unserved),
+                    stage=stage,
+                )
+            # the same labels as the stage's errors; an empty label is the same as none to Prometheus
+            f.counter(
+                "swarm_errors_total", errors_doc, trainer_stats.failed_microbatches, kind="failed_microbatch", stage=""
+            )
+        return list(f.families.values())
+
+
+class MetricsServer:
+    """A running metrics endpoint; stop() shuts it down."""
+
+    def __init__(self, httpd, thread, registry: CollectorRegistry):
+        self.httpd, self.thread, self.registry = httpd, thread, registry
+        self.host, self.port = httpd.server_address[:2]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()  # returns once the serving loop has ended (it looks every 0.5 s)
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+
+def start_metrics_server(
+    host: str,
+    port: int,
+    rebalancer: Rebalancer,
+    trainer: Callable[[], Trainer | None] = lambda: None,
+) -> MetricsServer:
+    """Serve the peer's metrics at http://host:port/metrics (port 0: any free port, see .port). Call it from the
+    peer's event loop: scrapes read the peer's objects there. Raises PeerStartError if it cannot listen."""
+    registry = CollectorRegistry()
+    registry.register(PeerCollector(rebalancer, trainer, asyncio.get_running_loop()))
+    ProcessCollector(registry=registry)  # CPU time, memory, open files of the peer's main process (on Linux)
+    try:
+        httpd, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            hint = f"port {port} on {host} is already in use; choose another --metrics-port (0: any free port)"
+        elif e.errno == errno.EACCES:
+            hint = f"no permission to listen on port {port}; choose a port above 1023"
+        else:
+            hint = f"cannot listen on {host}:{port} ({e.strerror or e}); check --metrics-host and --metrics-port"
+        raise PeerStartError(f"metrics server: {hint}") from None
+    return MetricsServer(httpd, thread, registry)

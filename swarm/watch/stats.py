@@ -1,0 +1,98 @@
+"""What a peer counts, as one snapshot per moment: its announcement, its status line and its metrics all read the
+same StageStats and TrainerStats, so a figure is listed once and means the same everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from swarm.dht.records import PeerState
+
+
+@dataclass
+class Traffic:
+    """Bytes this peer moved over the network, by kind; shared by its stage servers (one after another, as it
+    moves) and its trainer, and announced as totals."""
+
+    activation_sent: int = 0  # activations and gradients between stages
+    activation_received: int = 0
+    averaging_sent: int = 0  # payload of averaging rounds
+    averaging_received: int = 0
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """One moment of the stage this peer serves."""
+
+    stage: int
+    state: PeerState
+    throughput: float  # samples/s it can serve: the lower of compute and network
+    compute_throughput: float
+    network_throughput: float
+    delivered_throughput: float  # EMA of what it actually served
+    samples_served: int
+    outstanding: int  # requests accepted and not yet answered
+    optimizer_steps: int
+    recomputed_forwards: int
+    bad_requests: int
+    busy_replies: int
+    banned_replies: int
+    bans: int
+    averaging_round: int  # number of the stage's next round
+    round_samples: int  # samples served since that round's count began
+    averaging_rounds: int  # rounds averaged with at least one other peer
+    averaging_rounds_failed: int
+    last_group_size: int
+    checkpoints_saved: int
+    activation_bytes_sent: int
+    activation_bytes_received: int
+    averaging_bytes_sent: int
+    averaging_bytes_received: int
+    forwarded: int = 0  # microbatches this peer passed on to the next stage and brought back
+    rerouted: int = 0  # next hops that failed and were replaced by another peer of their stage
+    too_late: int = 0  # gradients not applied: the hop's deadline had passed
+    duplicates: int = 0  # microbatches refused because a later stage (or this one) had them already
+    replayed: int = 0  # repeats of microbatches applied here already, answered with their first reply
+    averaging_strikes: int = 0  # flags this peer gave partners whose round values were far off
+    averaging_exclusions: int = 0  # partners it excluded from its rounds for that
+
+    def to_dict(self) -> dict[str, Any]:
+        """As the status line prints it."""
+        fields = {key: round(value, 3) if isinstance(value, float) else value for key, value in asdict(self).items()}
+        return {**fields, "state": str(self.state)}
+
+
+@dataclass(frozen=True)
+class TrainerStats:
+    """One moment of this peer's trainer."""
+
+    loss: float  # mean over the last REPORT_WINDOW seconds; NaN before the first microbatch completes
+    samples_per_second: float
+    samples: int
+    microbatches: int
+    failed_microbatches: int
+    unserved_stages: tuple[int, ...]  # stages with no online peer at the last look
+    bytes_sent: int = 0  # to stage peers (tokens, and with the relay pipeline activations), not local calls
+    bytes_received: int = 0
+    window: int = 1  # microbatches it keeps in flight now (swarm/client/window.py)
+    round_trip: float = 0.0  # recent seconds from sending a microbatch to its loss coming back
+    checks: int = 0  # microbatches sent twice to compare two replicas (swarm/client/checks.py)
+    check_disagreements: int = 0
+    convicted: tuple[str, ...] = ()  # peers it caught computing wrong results
+
+    def to_dict(self) -> dict[str, Any]:
+        """As the status line prints it (JSON has no NaN: None until there is a loss)."""
+        return {
+            "trainer_loss": round(self.loss, 4) if self.loss == self.loss else None,
+            "trainer_samples_per_second": round(self.samples_per_second, 2),
+            "trainer_samples": self.samples,
+            "trainer_failed_microbatches": self.failed_microbatches,
+            "unserved_stages": list(self.unserved_stages),
+            "trainer_bytes_sent": self.bytes_sent,
+            "trainer_bytes_received": self.bytes_received,
+            "trainer_window": self.window,
+            "trainer_round_trip": round(self.round_trip, 4),
+            "trainer_checks": self.checks,
+            "trainer_check_disagreements": self.check_disagreements,
+            "trainer_convicted": list(self.convicted),
+        }
