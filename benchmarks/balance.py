@@ -4,7 +4,7 @@ A local swarm of peers of unequal speeds (emulated with --simulated-speed) over 
 training, run three ways:
   (a) the peers choose and change stages themselves, started slowest first, which makes the first choices bad;
   (b) static: peer k serves stage k mod 4;
-  (c) the optimal assignment (swarm/balancing.py's optimal_assignment of the speeds), pinned.
+  (c) the optimal assignment (swarm/balancing/optimum.py's optimal_assignment of the speeds), pinned.
 Then, in (a), all peers of the most crowded stage but one are killed, and the time until the swarm's
 throughput is back within 10% of its new optimum is measured.
 
@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from peers.processes import PeerProcess, start_local_peer, stop_peers  # noqa: E402
 from swarm.architectures.model import build_stage  # noqa: E402
-from swarm.balancing import optimal_assignment  # noqa: E402
-from swarm.dht import joining  # noqa: E402
-from swarm.manifests.manifest import manifest_from_dict  # noqa: E402
+from swarm.balancing.optimum import optimal_assignment  # noqa: E402
+from swarm.dht import node  # noqa: E402
+from swarm.manifests.validation import manifest_from_dict  # noqa: E402
 from swarm.throughput import cached_compute_throughput  # noqa: E402
 
 STAGES = 4
@@ -200,8 +200,8 @@ def main() -> int:
     optimal_stages, optimal_units = optimal_assignment(speeds, STAGES)
     log(f"reference {reference:.0f} samples/s per stage; speeds {speeds}; optimum {optimal_units} units; logs {logs}")
 
-    sockets_before = joining.daemon_sockets()
-    dht = joining.start_dht([], joining.LOOPBACK)
+    sockets_before = node.daemon_sockets()
+    dht = node.start_dht([], node.LOOPBACK)
     bootstrap = [str(a) for a in dht.get_visible_maddrs()]
     result: dict = {"speeds": speeds, "stages": STAGES, "unit_samples_per_second": args.unit}
     try:
@@ -218,7 +218,7 @@ def main() -> int:
         result["b_over_c"] = round(b_rate / c_rate, 3)
     finally:
         dht.shutdown()
-        joining.remove_stale_sockets(joining.daemon_sockets() - sockets_before)  # killed peers' daemons leave them
+        node.remove_stale_sockets(node.daemon_sockets() - sockets_before)  # killed peers' daemons leave them
     result["logs"] = str(logs)
     print(json.dumps(result))
     return 0

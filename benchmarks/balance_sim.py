@@ -36,16 +36,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from swarm.balancing import (  # noqa: E402
+from swarm.balancing.moves import (  # noqa: E402
     Move,
     PeerLoad,
     bottleneck,
     choose_stage,
-    optimal_assignment,
     stage_totals,
-    upper_bound,
     worthwhile_moves,
 )
+from swarm.balancing.optimum import optimal_assignment, upper_bound  # noqa: E402
 
 WARMUP = 600.0  # seconds over which the first peers join
 SAMPLE_PERIOD = 60.0  # one efficiency sample per simulated minute

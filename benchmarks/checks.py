@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import tiny_manifest_dict  # noqa: E402
 from peers import processes  # noqa: E402
+from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
 
 DETECTION_TIMEOUT = 300.0
 
@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="swarm-checks-"))
     cache = work / "cache"
-    raw = tiny_manifest_dict()
+    raw = fast_test_swarm_dict()
     (work / "first.json").write_text(json.dumps(raw))
     started: list[processes.PeerProcess] = []
     try:

@@ -1,20 +1,19 @@
-"""What the benchmarks share: the tiny test swarm's manifest, starting local peers, waiting for a swarm to come
-online, and the held-out loss of a swarm (every online peer's state downloaded, the whole model assembled from
-one replica per stage, in every combination).
+"""What the benchmarks share: the manifest of a benchmark, the milestones of a peer's start, waiting for a swarm
+to come online, and the held-out loss of a swarm (every online peer's state downloaded, the whole model assembled
+from one replica per stage, in every combination).
 
-The tests use the same tiny manifest (tests/conftest.py imports it from here). Peers are started with
-peers/processes.py (start_peer, start_local_peer), as swarm-demo and the tests start them.
+What the tests share with the benchmarks lives in the library: the small fast test swarm
+(swarm/manifests/presets.py: fast_test_swarm_dict) and starting local peers on free ports (peers/processes.py:
+start_peer, start_local_peer, free_ports), as swarm-demo and the tests start them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import json
 import re
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -27,67 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from swarm import PROTOCOL_VERSION  # noqa: E402
 from swarm.architectures.model import build_full_model  # noqa: E402
 from swarm.client.export import assemble_full_state, stage_parameters  # noqa: E402
 from swarm.client.rpc import download_state  # noqa: E402
 from swarm.dataset.shards import TextData, heldout_batches  # noqa: E402
 from swarm.dht.records import Announcement, PeerState, fetch_announcements  # noqa: E402
-from swarm.manifests.manifest import Manifest, manifest_from_dict  # noqa: E402
+from swarm.manifests.manifest import Manifest  # noqa: E402
 from swarm.manifests.presets import new_manifest  # noqa: E402
-from swarm.server.stage_state import stage_state_shapes  # noqa: E402
+from swarm.manifests.validation import manifest_from_dict  # noqa: E402
+from swarm.wire.state import stage_state_shapes  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ manifests
-
-TINY_MANIFEST = {
-    "name": "test-swarm",
-    "protocol_version": PROTOCOL_VERSION,
-    "model": {"vocab_size": 256, "width": 64, "depth": 2, "heads": 2, "context_length": 32, "seed": 0},
-    "stages": {"count": 2},
-    "training": {
-        "microbatch_size": 8,
-        "microbatches_per_step": 1,
-        "learning_rate": 0.003,
-        "max_in_flight": 2,
-        "adaptive_window": False,
-        "timeouts": {"forward": 5, "backward": 5, "microbatch": 60},
-    },
-    "data": {"source": "stdlib", "shards": 4},
-    "network": {"announce_period": 1.0},
-    # the tests' swarms average parameters every 2048 samples, as before issue 15 made diloco the default: the
-    # suite's timing bounds were set with it (the diloco paths have tests of their own)
-    "averaging": {"mode": "parameters", "every_samples": 2048},
-    "initial_peers": [],
-}
-
-
-# The first line of a peer's output matching each, in the order a start passes them (benchmarks/startup.py and
-# benchmarks/churn.py time a start by them).
-START_MILESTONES = {
-    "reachability_checked": r"reachable: |NOT reachable|reachability not checked",
-    "dht_up": r"swarm '.*' \(id",
-    "throughput_known": r"compute throughput of stage \d",
-    "serving": r"^serving stage \d",
-}
-
-
-def start_milestones(output: str, seen: dict[str, float], elapsed: float) -> None:
-    """Adds to `seen` (milestone -> seconds) each milestone that `output` passed and `seen` lacks."""
-    for name, pattern in START_MILESTONES.items():
-        if name not in seen and re.search(pattern, output, re.M):
-            seen[name] = round(elapsed, 2)
-
-
-def tiny_manifest_dict(**overrides) -> dict:
-    """A small, fast 2-stage swarm (of the tests, and of benchmarks/churn.py), as a manifest dictionary; each
-    override replaces a top-level field, or, for a dictionary, the keys it names in that section."""
-    manifest = copy.deepcopy(TINY_MANIFEST)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(manifest.get(key), dict):
-            manifest[key] = {**manifest[key], **value}
-        else:
-            manifest[key] = value
-    return manifest
 
 
 def benchmark_manifest(path: str | None, name: str) -> Manifest:
@@ -101,18 +50,21 @@ def benchmark_manifest(path: str | None, name: str) -> Manifest:
 # ------------------------------------------------------------------------------------------------ peers
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports that are free on 127.0.0.1 now (all bound at once, so that they differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+# The first line of a peer's output matching each, in the order a start passes them (benchmarks/startup.py and
+# the churn benchmark's restarts, benchmarks/churn_swarm.py, time a start by them).
+START_MILESTONES = {
+    "reachability_checked": r"reachable: |NOT reachable|reachability not checked",
+    "dht_up": r"swarm '.*' \(id",
+    "throughput_known": r"compute throughput of stage \d",
+    "serving": r"^serving stage \d",
+}
+
+
+def start_milestones(output: str, seen: dict[str, float], elapsed: float) -> None:
+    """Adds to `seen` (milestone -> seconds) each milestone that `output` passed and `seen` lacks."""
+    for name, pattern in START_MILESTONES.items():
+        if name not in seen and re.search(pattern, output, re.M):
+            seen[name] = round(elapsed, 2)
 
 
 def stop_on_sigterm() -> None:

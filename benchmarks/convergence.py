@@ -67,7 +67,7 @@ from peers.processes import start_local_peer, stop_peers  # noqa: E402
 from swarm.architectures.model import build_full_model, build_stage, count_parameters  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.dataset.shards import TextData, sample_batch  # noqa: E402
-from swarm.dht import joining  # noqa: E402
+from swarm.dht import node  # noqa: E402
 from swarm.manifests.loading import load_manifest  # noqa: E402
 from swarm.manifests.manifest import Manifest  # noqa: E402
 from swarm.network.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
@@ -129,7 +129,7 @@ def _swarm_run(
     manifest = dataclasses.replace(manifest, averaging=averaging)
     logs = workdir / f"{mode}-seed{seed}"
     logs.mkdir(parents=True)
-    dht = joining.start_dht([], joining.LOOPBACK)
+    dht = node.start_dht([], node.LOOPBACK)
     manifest = manifest.with_initial_peers([str(a) for a in dht.get_visible_maddrs()])
     path = logs / "manifest.json"
     path.write_text(manifest.to_json())

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from swarm.architectures.model import build_stage, count_parameters  # noqa: E402
 from swarm.manifests.presets import new_manifest  # noqa: E402
-from swarm.server.stage_state import make_optimizer  # noqa: E402
+from swarm.wire.state import make_optimizer  # noqa: E402
 
 
 def current_rss() -> int:

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import sys
 import tempfile
 import time
@@ -41,12 +40,12 @@ from swarm.client.export import assemble_full_state  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.dataset.corpus import ensure_prepared  # noqa: E402
 from swarm.dataset.documents import training_texts  # noqa: E402
-from swarm.dataset.shards import TokenShards, TrainingStream  # noqa: E402
+from swarm.dataset.shards import TokenShards, TrainingStream, bits_per_byte  # noqa: E402
 from swarm.dataset.tokenizer import Tokenizer, byte_tokenizer, train_tokenizer  # noqa: E402
-from swarm.dht import joining  # noqa: E402
+from swarm.dht import node  # noqa: E402
 from swarm.manifests.manifest import Manifest  # noqa: E402
 from swarm.manifests.presets import new_manifest  # noqa: E402
-from swarm.server.stage_state import make_optimizer  # noqa: E402
+from swarm.wire.state import make_optimizer  # noqa: E402
 
 PRESETS = {"gpt": "tiny", "llama": "llama-tiny"}
 EVAL_WINDOWS = 96
@@ -76,7 +75,7 @@ def evaluate(manifest: Manifest, state: dict[str, torch.Tensor], windows, tokeni
     text_bytes = len(tokenizer.decode(targets).encode("utf-8"))
     return {
         "heldout_loss_per_token": round(loss, 4),
-        "heldout_bits_per_byte": round(loss * len(targets) / text_bytes / math.log(2), 4),
+        "heldout_bits_per_byte": round(bits_per_byte(loss, len(targets), text_bytes), 4),
     }
 
 
@@ -102,7 +101,7 @@ def one_process(manifest: Manifest, shards: TokenShards, samples: int, windows, 
 
 
 def swarm(manifest: Manifest, shards: TokenShards, samples: int, windows, tokenizer: Tokenizer, work: Path) -> dict:
-    dht = joining.start_dht([], joining.LOOPBACK)
+    dht = node.start_dht([], node.LOOPBACK)
     manifest = manifest.with_initial_peers([str(a) for a in dht.get_visible_maddrs()])
     path = work / f"{manifest.name}.json"
     path.write_text(manifest.to_json())

@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import tiny_manifest_dict  # noqa: E402
 from peers import processes  # noqa: E402
 from swarm.dht.records import Announcement, TrainerReport, announcement_lifetime  # noqa: E402
 from swarm.manifests.loading import load_manifest  # noqa: E402
+from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
 from swarm.monitor.history import THINNING, History  # noqa: E402
 from swarm.monitor.leaderboard import Leaderboard  # noqa: E402
 from swarm.monitor.sampling import peer_rows, stage_rows, swarm_sample  # noqa: E402
@@ -153,7 +153,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="swarm-monitor-bench-"))
     manifest_path = work / "swarm.json"
-    manifest_path.write_text(json.dumps(tiny_manifest_dict()))
+    manifest_path.write_text(json.dumps(fast_test_swarm_dict()))
     started: list[processes.PeerProcess] = []
     try:
         base = [*processes.loopback_args(manifest_path), "--duration", "1800"]

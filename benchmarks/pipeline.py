@@ -32,7 +32,7 @@ from peers.processes import start_local_peer, stop_peers  # noqa: E402
 from swarm.architectures.model import build_full_model  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.dataset.shards import TextData, sample_batch  # noqa: E402
-from swarm.dht import joining  # noqa: E402
+from swarm.dht import node  # noqa: E402
 from swarm.dht.records import PeerState, fetch_announcements  # noqa: E402
 from swarm.manifests.loading import load_manifest  # noqa: E402
 from swarm.manifests.manifest import Manifest  # noqa: E402
@@ -76,7 +76,7 @@ def single_process(manifest: Manifest, samples: int) -> dict:
 def swarm(manifest_path: Path, samples: int) -> dict:
     """(b): 2 stage peers on loopback, a trainer here."""
     manifest = load_manifest(manifest_path)
-    dht = joining.start_dht([], joining.LOOPBACK)
+    dht = node.start_dht([], node.LOOPBACK)
     logs = Path(tempfile.mkdtemp(prefix="swarm-bench-"))
     manifest = manifest.with_initial_peers([str(a) for a in dht.get_visible_maddrs()])
     path = logs / "manifest.json"

@@ -35,13 +35,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import heldout_loss, tiny_manifest_dict  # noqa: E402
+from benchmarks.common import heldout_loss  # noqa: E402
 from swarm.architectures.model import build_full_model  # noqa: E402
 from swarm.averaging.averager import StageAverager  # noqa: E402
-from swarm.averaging.rules import AveragingError  # noqa: E402
 from swarm.dataset.shards import TextData, heldout_batches, sample_batch  # noqa: E402
-from swarm.dht import joining  # noqa: E402
-from swarm.manifests.manifest import Manifest, manifest_from_dict  # noqa: E402
+from swarm.dht import node  # noqa: E402
+from swarm.errors import AveragingError  # noqa: E402
+from swarm.manifests.manifest import Manifest  # noqa: E402
+from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
+from swarm.manifests.validation import manifest_from_dict  # noqa: E402
 
 REPLICAS = 4
 ATTACKER = REPLICAS - 1
@@ -85,9 +87,9 @@ def poison(attack: str, buffers, stale: list[torch.Tensor], drift: float) -> Non
 
 
 def run(manifest: Manifest, attack: str, rounds: int, steps: int, batches) -> dict:
-    dhts = [joining.start_dht([], joining.LOOPBACK)]
+    dhts = [node.start_dht([], node.LOOPBACK)]
     maddrs = [str(a) for a in dhts[0].get_visible_maddrs()]
-    dhts += [joining.start_dht(maddrs, joining.LOOPBACK) for _ in range(REPLICAS - 1)]
+    dhts += [node.start_dht(maddrs, node.LOOPBACK) for _ in range(REPLICAS - 1)]
     replicas = [Replica(manifest, dht, shard) for shard, dht in enumerate(dhts)]
     ids = [str(dht.peer_id) for dht in dhts]
     stale = [p.detach().clone() for p in replicas[ATTACKER].params]
@@ -156,7 +158,7 @@ def main() -> None:
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--compression", default="float32", choices=["float32", "float16", "8bit"])
     args = parser.parse_args()
-    raw = tiny_manifest_dict()
+    raw = fast_test_swarm_dict()
     raw["averaging"] = {"mode": "parameters", "compression": args.compression, "matchmaking_time": 1.0, "timeout": 20}
     manifest = manifest_from_dict(raw)
     manifest = dataclasses.replace(manifest, initial_peers=())

@@ -8,7 +8,7 @@ Stage 0 runs forward for a microbatch, and its backward only once `window` micro
 pipeline whose round trip spans `window` microbatches; the last stage runs forward and backward at once. No network,
 so the figure is the optimisation's alone: the held-out loss at the end (64 fixed held-out microbatches), the mean
 train loss of the last 20 microbatches, and stage 0's measured delay in optimizer steps. Activations and gradients
-pass through the wire encoding (swarm/wire/protocol.py) between the stages, as they would between peers, in the
+pass through the wire encoding (swarm/wire/tensors.py) between the stages, as they would between peers, in the
 manifest's activation_compression or --activation-compression. Prints one JSON line.
 """
 
@@ -27,24 +27,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.architectures.model import build_stage  # noqa: E402
 from swarm.dataset.shards import TextData, heldout_batches, sample_batch  # noqa: E402
-from swarm.manifests.manifest import manifest_from_dict  # noqa: E402
+from swarm.manifests.validation import manifest_from_dict  # noqa: E402
 from swarm.server.compute import StageCompute  # noqa: E402
-from swarm.wire import protocol  # noqa: E402
+from swarm.wire import messages, tensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def wire(tensor: torch.Tensor, compression: str) -> torch.Tensor:
     """The tensor as the receiving peer sees it."""
-    return protocol.decode_tensor(protocol.encode_tensor(tensor, compression), tensor.numel(), "wire")
+    return tensors.decode_tensor(tensors.encode_tensor(tensor, compression), tensor.numel(), "wire")
 
 
 def heldout(first: StageCompute, last: StageCompute, batches: list) -> float:
     """Mean loss of the two stages' current weights on held-out batches (forward only)."""
     losses = []
     for index, (x, y) in enumerate(batches):
-        (hidden,) = first.process("forward", protocol.StageRequest(0, f"h{index}", False, [x]), "eval")
-        (loss,) = last.process("forward", protocol.StageRequest(1, f"h{index}", False, [hidden, y]), "eval")
+        (hidden,) = first.process("forward", messages.StageRequest(0, f"h{index}", False, [x]), "eval")
+        (loss,) = last.process("forward", messages.StageRequest(1, f"h{index}", False, [hidden, y]), "eval")
         losses.append(float(loss))
     return float(np.mean(losses))
 
@@ -64,13 +64,13 @@ def run(raw: dict, window: int, scaled: bool, samples: int, compression: str) ->
     while done < samples:
         x, y = sample_batch(data.train, manifest.training.microbatch_size, manifest.model.context_length, rng)
         microbatch, count = f"m{count}", count + 1
-        (hidden,) = first.process("forward", protocol.StageRequest(0, microbatch, True, [x]), "trainer")
+        (hidden,) = first.process("forward", messages.StageRequest(0, microbatch, True, [x]), "trainer")
         in_flight.append((microbatch, x, y, wire(hidden, compression)))
         if len(in_flight) >= window:
             microbatch, x, y, hidden = in_flight.popleft()
-            loss, grad = last.process("forward", protocol.StageRequest(1, microbatch, True, [hidden, y]), "trainer")
+            loss, grad = last.process("forward", messages.StageRequest(1, microbatch, True, [hidden, y]), "trainer")
             grad = wire(grad, compression)
-            first.process("backward", protocol.StageRequest(0, microbatch, True, [grad, x]), "trainer")
+            first.process("backward", messages.StageRequest(0, microbatch, True, [grad, x]), "trainer")
             losses.append(float(loss))
             done += x.shape[0]
     batches = heldout_batches(data.heldout, 64, manifest.training.microbatch_size, manifest.model.context_length)
@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=3072)
     parser.add_argument("--windows", default="1,2,4,8")
     parser.add_argument("--manifest", default=str(ROOT / "examples" / "demo.json"))
-    parser.add_argument("--activation-compression", choices=list(protocol.COMPRESSIONS), help="default: the manifest's")
+    parser.add_argument("--activation-compression", choices=list(tensors.COMPRESSIONS), help="default: the manifest's")
     parser.add_argument("--lr", choices=["both", "full", "scaled"], default="both", help="learning rate(s) to run")
     args = parser.parse_args()
     torch.set_num_threads(2)

@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import free_ports, start_milestones, tiny_manifest_dict  # noqa: E402
+from benchmarks.common import start_milestones  # noqa: E402
 from peers import processes  # noqa: E402
+from peers.processes import free_ports  # noqa: E402
+from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
 
 START_TIMEOUT = 120.0
 
@@ -44,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="swarm-startup-"))
     cache = work / "cache"
-    raw = tiny_manifest_dict()
+    raw = fast_test_swarm_dict()
     (work / "first.json").write_text(json.dumps(raw))
     started: list[processes.PeerProcess] = []
     try:

@@ -38,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import stop_on_sigterm  # noqa: E402
 from peers import processes  # noqa: E402
 from swarm.manifests.loading import write_manifest  # noqa: E402
-from swarm.manifests.manifest import COMPRESSIONS, manifest_from_dict  # noqa: E402
+from swarm.manifests.manifest import COMPRESSIONS  # noqa: E402
 from swarm.manifests.presets import new_manifest  # noqa: E402
+from swarm.manifests.validation import manifest_from_dict  # noqa: E402
 from swarm.network.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
 
 STAGES = 3

@@ -18,7 +18,8 @@ import torch
 
 from swarm.architectures.model import StageModel, build_full_model
 from swarm.errors import ManifestError, SwarmError
-from swarm.manifests.manifest import ModelConfig, manifest_from_dict
+from swarm.manifests.manifest import ModelConfig
+from swarm.manifests.validation import manifest_from_dict
 
 EXAMPLES = """\
 examples:

@@ -17,10 +17,10 @@ from rich.text import Text
 
 from peers import runtime
 from swarm import __version__
-from swarm.dht import joining
+from swarm.dht import joining, node
 from swarm.errors import SwarmError
 from swarm.manifests.manifest import Manifest
-from swarm.watch.reader import SwarmView
+from swarm.watch.reader import SwarmReader
 from swarm.watch.status import DEGRADED, UNREACHABLE, exit_code, find_peer
 
 MAX_FAILED_READS = 3  # --watch gives up after this many failed refreshes in a row
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         manifest, initial_peers = joining.reader_join(args.join)  # no manifest: --join names a peer, which has it
         # a monitor accepts no connections: it only reads, over the connections it opens
-        dht = joining.start_dht(
+        dht = node.start_dht(
             initial_peers, [], client_mode=True, no_listen=True, secret=manifest.secret if manifest else None
         )
         return asyncio.run(watch(args, manifest, dht))
@@ -99,10 +99,10 @@ async def watch(args: argparse.Namespace, manifest: Manifest | None, dht) -> int
 
 async def show(args: argparse.Namespace, manifest: Manifest, dht) -> int:
     """Read the swarm and print it, once or (--watch) until interrupted; the exit code."""
-    joining.sign_records(dht, manifest, None)  # a reader: it checks every record's signature, writes none
+    node.sign_records(dht, manifest, None)  # a reader: it checks every record's signature, writes none
     console = Console() if sys.stdout.isatty() else Console(width=160)  # piped: do not squeeze the tables
-    view = SwarmView(manifest, args.join)  # it shows the peers that vanish since as "gone" (--watch)
-    document, _ = await view.read(dht)  # the first read must work: else exit 2
+    reader = SwarmReader(manifest, args.join)  # it shows the peers that vanish since as "gone" (--watch)
+    document, _ = await reader.read(dht)  # the first read must work: else exit 2
     if args.watch is None:
         return show_once(args, document, console)
     # in place on a terminal; piped or --json, one document per refresh
@@ -114,7 +114,7 @@ async def show(args: argparse.Namespace, manifest: Manifest, dht) -> int:
         while True:
             await asyncio.sleep(args.watch)
             try:
-                document, _ = await view.read(dht)
+                document, _ = await reader.read(dht)
                 failures = 0
             except SwarmError as e:  # one slow read (a peer just died) must not end the watch
                 failures += 1

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -184,6 +185,21 @@ def loopback_args(
     args = ["--join", str(manifest_path), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--threads", "1", "--json"]
     args += [] if stage is None else ["--stage", str(stage)]
     return args + ([] if trainer else ["--no-trainer"])
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports that are free on 127.0.0.1 now (all bound at once, so that they differ): for peers that must know
+    their port before they start (a restarted peer keeps its address; a dead initial peer of a test)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def start_peer(

@@ -22,12 +22,11 @@ from peers import processes, runtime
 from swarm.architectures.model import build_full_model
 from swarm.client.trainer import Trainer
 from swarm.dataset.shards import TextData, heldout_batches
-from swarm.dht import joining
+from swarm.dht import node
 from swarm.dht.records import PeerState, fetch_announcements, fetch_trainer_reports
 from swarm.errors import SwarmError
-from swarm.manifests.loading import load_manifest
+from swarm.manifests.loading import load_manifest, write_manifest
 from swarm.manifests.manifest import Manifest
-from swarm.server.reachability import NAMESPACE as REACHABILITY_NAMESPACE
 from swarm.server.reachability import ReachabilityService
 
 DEMO_MANIFEST = Path(__file__).resolve().parents[1] / "examples" / "demo.json"
@@ -75,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         manifest = load_manifest(args.manifest)
         if args.peers < manifest.num_stages:
             raise SwarmError(f"--peers {args.peers}: the swarm has {manifest.num_stages} stages, each needs a peer")
-        dht = joining.start_dht([], joining.LOOPBACK)
-        joining.sign_records(dht, manifest, None)  # it reads the peers' records, writes none
+        dht = node.start_dht([], node.LOOPBACK)
+        node.sign_records(dht, manifest, None)  # it reads the peers' records, writes none
     except SwarmError as e:
         print(f"swarm-demo: error: {e}", file=sys.stderr)
         return 2
@@ -110,7 +109,7 @@ async def run_demo(
     runtime.install_stop_handlers(stop)
     manifest = manifest.with_initial_peers([str(a) for a in dht.get_visible_maddrs()])
     manifest_path = logs / "manifest.json"
-    manifest_path.write_text(manifest.to_json())
+    write_manifest(manifest, manifest_path)
 
     console.print(
         f"[bold]Swarm demo[/]: {args.peers} peers, {manifest.num_stages} stages, swarm id {manifest.swarm_id}"
@@ -123,7 +122,7 @@ async def run_demo(
 
     p2p = await dht.replicate_p2p()
     reachability = ReachabilityService()  # the peers' first contact: it answers their "can you dial me?"
-    await reachability.add_p2p_handlers(p2p, namespace=REACHABILITY_NAMESPACE)
+    await reachability.add_p2p_handlers(p2p, namespace=ReachabilityService.NAMESPACE)
     for k in range(args.peers):
         # its own session: Ctrl-C reaches only the demo, which then stops every peer cleanly
         name = ["--public-name", f"demo-peer-{k}"]  # how the monitor's leaderboard shows it

@@ -29,7 +29,6 @@ from swarm import __version__
 from swarm.client.export import (
     DEFAULT_TIMEOUT,
     DISCOVERY_WAIT,
-    ExportError,
     StageSource,
     check_output_path,
     export_metadata,
@@ -40,8 +39,8 @@ from swarm.client.export import (
     write_safetensors,
 )
 from swarm.dataset.tokenizer import Tokenizer
-from swarm.dht import joining
-from swarm.errors import SwarmError
+from swarm.dht import joining, node
+from swarm.errors import ExportError, SwarmError
 from swarm.hf.folder import DTYPES, check_output_folder, write_hf_folder
 from swarm.manifests.manifest import Manifest
 
@@ -155,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                 "address a running peer printed (/ip4/.../tcp/.../p2p/...) into its initial_peers"
             )
         # The DHT forks its own process: start it before any thread exists (rich's progress runs one).
-        dht = joining.start_dht(
+        dht = node.start_dht(
             joining.bootstrap_peers(args.join, manifest),
-            args.host_maddrs or joining.LOOPBACK,
+            args.host_maddrs or node.LOOPBACK,
             client_mode=True,
             startup_timeout=max(1.0, min(60.0, remaining(deadline))),
             secret=manifest.secret if manifest is not None else None,

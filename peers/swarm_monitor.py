@@ -17,15 +17,15 @@ from typing import Any
 
 from peers import runtime
 from swarm import __version__
-from swarm.dht import joining
-from swarm.errors import SwarmError
+from swarm.dht import joining, node
+from swarm.errors import HistoryError, SwarmError
 from swarm.manifests.manifest import Manifest
-from swarm.monitor.history import History, HistoryError, default_history_path
+from swarm.monitor.history import History, default_history_path
 from swarm.monitor.leaderboard import Leaderboard
 from swarm.monitor.sampling import peer_rows, stage_rows, swarm_sample
 from swarm.monitor.server import MonitorServer, MonitorState
 from swarm.monitor.trackers import TensorBoardTracker, Tracker, Trackers, WandbTracker
-from swarm.watch.reader import SwarmView, found_anyone
+from swarm.watch.reader import SwarmReader, found_anyone
 from swarm.watch.status import UNREACHABLE
 
 logger = logging.getLogger("swarm.monitor")
@@ -63,7 +63,7 @@ class SwarmConnection:
         self.manifest: Manifest | None = None
 
     def _start(self):
-        return joining.start_dht(self.initial_peers, [], client_mode=True, no_listen=True, secret=self.secret)
+        return node.start_dht(self.initial_peers, [], client_mode=True, no_listen=True, secret=self.secret)
 
     async def rejoin(self) -> bool:
         """Join again through the initial peers; False (the old node kept) if none of them answers."""
@@ -72,7 +72,7 @@ class SwarmConnection:
         except SwarmError:
             return False
         if self.manifest is not None:
-            joining.sign_records(dht, self.manifest, None)
+            node.sign_records(dht, self.manifest, None)
         old, self.dht = self.dht, dht
         await asyncio.to_thread(old.shutdown)
         return True
@@ -154,9 +154,9 @@ def make_trackers(args: argparse.Namespace, manifest: Manifest) -> Trackers:
 
 async def monitor(args: argparse.Namespace, manifest: Manifest, connection: SwarmConnection) -> int:
     connection.manifest = manifest
-    joining.sign_records(connection.dht, manifest, None)  # a reader: it checks every record's signature, writes none
-    view = SwarmView(manifest, args.join)
-    document, reports = await view.read(connection.dht)  # the first read must work: else exit 2
+    node.sign_records(connection.dht, manifest, None)  # a reader: it checks every record's signature, writes none
+    reader = SwarmReader(manifest, args.join)
+    document, reports = await reader.read(connection.dht)  # the first read must work: else exit 2
     reachable = found_anyone(document)
     history = History(args.history or default_history_path(manifest.swarm_id), manifest.swarm_id)
     trackers = None
@@ -174,7 +174,7 @@ async def monitor(args: argparse.Namespace, manifest: Manifest, connection: Swar
         else:
             print(f"swarm-monitor: watching swarm {manifest.name} (id {manifest.swarm_id}); the page: {server.url}")
             print(f"  history: {history.path} ({where['samples']} samples so far); Ctrl-C to stop", flush=True)
-        await sample_forever(args, view, connection, state, history, leaderboard, trackers, document, reports)
+        await sample_forever(args, reader, connection, state, history, leaderboard, trackers, document, reports)
     finally:
         if server is not None:
             server.stop()
@@ -186,7 +186,7 @@ async def monitor(args: argparse.Namespace, manifest: Manifest, connection: Swar
 
 async def sample_forever(
     args: argparse.Namespace,
-    view: SwarmView,
+    reader: SwarmReader,
     connection: SwarmConnection,
     state: MonitorState,
     history: History,
@@ -222,7 +222,7 @@ async def sample_forever(
             if await connection.rejoin():
                 print("swarm-monitor: joined the swarm's DHT again", file=sys.stderr, flush=True)
         try:
-            document, reports = await view.read(connection.dht)
+            document, reports = await reader.read(connection.dht)
             reachable = found_anyone(document)
             error = "" if reachable else "the DHT answered, but holds no record of the swarm's peers or trainers"
         except SwarmError as e:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -23,9 +22,9 @@ from pathlib import Path
 import torch
 
 from swarm.architectures.model import StageModel
-from swarm.files import atomic_write
+from swarm.files import atomic_write, cache_root
 from swarm.manifests.manifest import Manifest
-from swarm.wire import protocol
+from swarm.wire import tensors
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +111,7 @@ def device_name(device: torch.device) -> str:
 def stage_bytes_per_sample(manifest: Manifest, stage: int) -> tuple[int, int]:
     """(bytes received, bytes sent) by a peer of `stage` per trained sample, as the protocol encodes them."""
     config = manifest.model
-    element = {"float32": 4, "float16": 2, "bfloat16": 2, "8bit": 1}[protocol.wire_compression(manifest)]
+    element = {"float32": 4, "float16": 2, "bfloat16": 2, "8bit": 1}[tensors.wire_compression(manifest)]
     hidden = config.context_length * config.width * element  # one sample's activations, or their gradient
     tokens = config.context_length * 8  # int64 token ids
     first, last = stage == 0, stage == manifest.num_stages - 1
@@ -151,10 +150,7 @@ async def measure_bandwidth(
 
 def default_cache_path() -> Path:
     """$SWARM_CACHE_DIR/throughput.json, or ~/.cache/swarm/throughput.json."""
-    root = os.environ.get("SWARM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "swarm"
-    )
-    return Path(root) / "throughput.json"
+    return cache_root() / "throughput.json"
 
 
 def compute_cache_key(manifest: Manifest, stage: int, device: torch.device) -> str:

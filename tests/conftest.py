@@ -1,7 +1,8 @@
 """Fixtures that start real peer processes on loopback and always stop them (and their p2pd daemons).
 
 Each peer runs in its own session (process group), so that the peer, its DHT process and its p2pd daemon
-can be killed together, by their group id, whatever a test does.
+can be killed together, by their group id, whatever a test does. Also: how tests wait (wait_until,
+settled_status), and how pytest-xdist schedules the tests (the longest first; a shared swarm's tests together).
 """
 
 from __future__ import annotations
@@ -10,22 +11,32 @@ import json
 import os
 import shutil
 import signal
-import sys
 import tempfile
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from peers import processes
 from peers.processes import LOOPBACK, PeerProcess
+from swarm.manifests.presets import fast_test_swarm_dict as tiny_manifest_dict
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is not an installed package
-    sys.path.insert(0, str(ROOT))
+T = TypeVar("T")
 
-from benchmarks.common import tiny_manifest_dict  # noqa: E402
-
-__all__ = ["LOOPBACK", "ROOT", "PeerProcess", "client_dht", "group_alive", "live_processes", "tiny_manifest_dict"]
+__all__ = [
+    "LOOPBACK",
+    "ROOT",
+    "PeerProcess",
+    "client_dht",
+    "group_alive",
+    "live_processes",
+    "settled_status",
+    "tiny_manifest_dict",
+    "wait_until",
+]
 
 
 def pytest_configure(config):
@@ -63,16 +74,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -expected_seconds(item))
 
 
-# Modules whose tests share a running swarm (a module-scoped fixture) and run in file order: under pytest-xdist
-# each is one unit of work, sent whole to one worker. (They are marked xdist_group too, but xdist 3.8's
-# loadgroup renames test ids in a way that pytest 9 ignores, so the marks alone group nothing: see below.)
-SHARED_SWARM_MODULES = {"tests/test_fuzz_rpc.py"}
+# Tests that share a running swarm (a module- or package-scoped fixture), by the start of their ids: a folder's
+# (tests/fuzz_rpc/) or a module's. Under pytest-xdist each entry is one unit of work, sent whole to one worker,
+# which runs its tests in order and starts the swarm once. (xdist's own --dist loadgroup would group xdist_group
+# marks, but xdist 3.8's loadgroup renames test ids in a way that pytest 9 ignores: see below.)
+SHARED_SWARMS = ("tests/fuzz_rpc/", "tests/test_attacks_on_one_swarm.py")
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadgroup as meant: every test a unit of work of its own, but a module in SHARED_SWARM_MODULES one
-    unit (xdist's LoadGroupScheduling groups by an id suffix that its workers set in a private attribute of
+    """--dist loadgroup as meant: every test a unit of work of its own, but the tests of an entry of SHARED_SWARMS
+    one unit (xdist's LoadGroupScheduling groups by an id suffix that its workers set in a private attribute of
     pytest's items, which pytest 9 no longer reads)."""
     if config.getvalue("dist") != "loadgroup":
         return None
@@ -80,8 +92,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class SharedSwarmScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return module if module in SHARED_SWARM_MODULES else nodeid
+            return next((shared for shared in SHARED_SWARMS if nodeid.startswith(shared)), nodeid)
 
     return SharedSwarmScheduling(config, log)
 
@@ -101,24 +112,76 @@ def live_processes() -> list[tuple[int, int, int]]:
 group_alive = processes.group_alive
 
 
-@pytest.fixture
-def start_peer(tmp_path):
-    """start_peer(manifest_path, *flags) -> PeerProcess; every peer is killed (group-wide) at teardown."""
-    started: list[PeerProcess] = []
+# Tests wait for a condition, with a deadline, never for a fixed time: on a loaded 2-core machine a state takes
+# longer to arrive than on an idle one, and a fixed sleep is too short there or too long here. (A fixed time is
+# right only where the time itself is what a test sets up: a window in which something must not happen.)
 
-    def start(
-        manifest_path: Path, *flags: str, cache_dir: Path | None = None, module: str = "peers.swarm_peer"
+
+def wait_until(condition: Callable[[], T], timeout: float, what: str, every: float = 0.2) -> T:
+    """condition()'s first true value, asked every `every` seconds; AssertionError naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if result := condition():
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)
+
+
+def settled_status(peer: PeerProcess, keys: Sequence[str], timeout: float = 60.0, lines: int = 3) -> dict[str, Any]:
+    """The peer's status line once `keys` stopped changing: the newest of `lines` consecutive status lines, all
+    printed after this call, that agree on every key (e.g. a stage peer's counters after its trainer stopped:
+    what was in flight is finished by then)."""
+    seen = len(peer.status_lines())
+
+    def settled() -> dict[str, Any] | None:
+        if peer.process.poll() is not None:
+            raise AssertionError(f"the peer exited while its status settled; its log ends:\n{peer.tail()}")
+        recent = peer.status_lines()[seen:][-lines:]
+        if len(recent) == lines and all(all(line.get(k) == recent[0].get(k) for k in keys) for line in recent):
+            return recent[-1]
+        return None
+
+    return wait_until(settled, timeout, f"the status of {list(keys)} to settle ({lines} equal lines)")
+
+
+class PeerStarter:
+    """Starts peers of swarms on loopback, their logs in `folder`; stop_all() kills every one (group-wide)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.started = folder, []
+
+    def __call__(
+        self, manifest_path: Path, *flags: str, cache_dir: Path | None = None, module: str = "peers.swarm_peer"
     ) -> PeerProcess:
         # --duration: even a peer orphaned by a killed test run stops by itself
         args = [*processes.loopback_args(manifest_path), "--duration", "900", *flags]
         # each test measures throughput afresh: its own cache (or `cache_dir`), never the user's
-        cache = cache_dir or tmp_path / "cache"
-        peer = processes.start_peer(args, tmp_path / f"peer{len(started)}.log", cache_dir=cache, module=module)
-        started.append(peer)
+        cache = cache_dir or self.folder / "cache"
+        log = self.folder / f"peer{len(self.started)}.log"
+        peer = processes.start_peer(args, log, cache_dir=cache, module=module)
+        self.started.append(peer)
         return peer
 
-    yield start
-    processes.stop_peers(started, grace=10.0)  # all at once: each takes seconds
+    def stop_all(self) -> None:
+        processes.stop_peers(self.started, grace=10.0)  # all at once: each takes seconds
+
+
+@pytest.fixture
+def start_peer(tmp_path):
+    """start_peer(manifest_path, *flags) -> PeerProcess; every peer is killed (group-wide) at teardown."""
+    starter = PeerStarter(tmp_path)
+    yield starter
+    starter.stop_all()
+
+
+@pytest.fixture(scope="module")
+def start_module_peer(tmp_path_factory):
+    """start_peer for a swarm that a module's tests share (the module must be in SHARED_SWARMS, so that its tests
+    run together, in one worker): its peers are killed after the module's last test."""
+    starter = PeerStarter(tmp_path_factory.mktemp("swarm"))
+    yield starter
+    starter.stop_all()
 
 
 @pytest.fixture

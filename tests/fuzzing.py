@@ -1,7 +1,8 @@
-"""What the fuzz tests share (tests/test_fuzz_*.py): the fuzzed swarm's manifest, and the count of cases tried.
+"""What the fuzz tests share (tests/fuzz_rpc/, tests/test_fuzz_*.py): the fuzzed swarm's manifest, and the count
+of cases tried.
 
-Every case is counted by kind; `pytest -s -p no:xdist tests/test_fuzz_rpc.py` (any of the files) prints the
-totals at the end of each file.
+Every case is counted by kind; `pytest -s -p no:xdist tests/fuzz_rpc` (or any of the files) prints the totals at
+the end of each file.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import tiny_manifest_dict
-from swarm.manifests.manifest import manifest_from_dict
+from swarm.manifests.validation import manifest_from_dict
 
 CASES: collections.Counter[str] = collections.Counter()  # cases tried, by kind; printed at the end (pytest -s)
 LOST: collections.Counter[str] = collections.Counter()  # replies that did not come the first time

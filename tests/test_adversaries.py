@@ -2,46 +2,37 @@
 
 The threat model is docs/RELIABILITY.md's "Public swarms". Forgers of records in detail: tests/test_signed_records.py
 (real DHT nodes); poisoning replicas and dishonest reducers: tests/test_averaging.py (real averaging rounds). Here:
-a forger in a live swarm, a stage peer that computes wrong results, a peer that announces a huge throughput and
-answers no call, a replica that poisons its stage's rounds, and a flood of reachability checks.
+the work checks (pure logic), a stage peer that computes wrong results, one that sends back wrong gradients, and a
+replica that poisons its stage's rounds. A forger in a live swarm, a peer that announces a huge throughput and
+answers no call, and a flood of reachability checks share one swarm: tests/test_attacks_on_one_swarm.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from hivemind import DHT
-from hivemind.utils import get_dht_time
 
-from conftest import LOOPBACK, client_dht, tiny_manifest_dict
+from conftest import client_dht, tiny_manifest_dict, wait_until
 from swarm.client.checks import (
     CONVICTING_PARTNERS,
     MAX_PRINT_GAP,
     MIN_PAIR_CHECKS,
-    PRINT_SIZE,
     CheckPlan,
     WorkChecks,
     fingerprint_gap,
-    gradient_fingerprint,
     gradient_prints,
     losses_disagree,
 )
-from swarm.dht import joining
-from swarm.dht.records import fetch_announcements, stage_key
-from swarm.manifests.manifest import manifest_from_dict
-from swarm.server.reachability import check_reachability
-from swarm.wire.protocol import HopTiming
+from swarm.dht.records import fetch_announcements
+from swarm.manifests.validation import manifest_from_dict
+from swarm.wire.hops import HopTiming
+from swarm.wire.tensors import PRINT_SIZE, gradient_fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -138,6 +129,8 @@ def _online(dht, manifest, stage: int) -> dict[str, int]:
     return {a.peer_id: a.samples_served for a in anns if a.state == "online"}
 
 
+@pytest.mark.integration
+@pytest.mark.slow(45)
 def test_a_stage_peer_that_computes_wrong_results_is_caught_and_routed_around(start_peer, write_manifest):
     """Stage 0 has two honest replicas and one that returns shuffled activations (finite, plausible, wrong). The
     trainer sends a share of its microbatches through two replicas and compares the losses: it convicts the liar,
@@ -162,8 +155,14 @@ def test_a_stage_peer_that_computes_wrong_results_is_caught_and_routed_around(st
         detection = time.monotonic() - joined
         assert not honest_ids & set(line["trainer_convicted"]), line  # no honest replica convicted
         assert line["trainer_checks"] > 0 and line["trainer_check_disagreements"] > 0
-        time.sleep(3 * manifest.network.announce_period)  # its announced count catches up with what it served
-        served = _online(dht, manifest, 0)[liar_id]
+        # its announced count catches up with what it served (announcements lag): the same over 2 periods
+        period, counts = manifest.network.announce_period, []
+
+        def settled_count() -> tuple[int] | None:
+            counts.append(_online(dht, manifest, 0)[liar_id])
+            return (counts[-1],) if len(counts) >= 3 and counts[-3] == counts[-1] else None
+
+        (served,) = wait_until(settled_count, 60, "the liar's announced count to settle", every=period)
         time.sleep(8)  # routed around: it gets no more of the trainer's work
         assert _online(dht, manifest, 0)[liar_id] == served
         print(f"liar convicted {detection:.1f} s after it joined; checks {line['trainer_checks']}")
@@ -171,6 +170,7 @@ def test_a_stage_peer_that_computes_wrong_results_is_caught_and_routed_around(st
         dht.shutdown()
 
 
+@pytest.mark.integration
 def test_a_stage_peer_that_sends_back_wrong_gradients_is_caught_by_their_fingerprints(start_peer, write_manifest):
     """Stage 1 (the last) has two honest replicas and one whose loss is true but whose gradients are shuffled: the
     loss cannot show it, the fingerprint of the gradient that stage 0 received does. The trainer convicts it and
@@ -193,70 +193,8 @@ def test_a_stage_peer_that_sends_back_wrong_gradients_is_caught_by_their_fingerp
     )
 
 
-def test_a_peer_that_announces_a_huge_throughput_and_answers_nothing_only_slows_training(start_peer, write_manifest):
-    """Stage 1 has an honest peer and one that announces 100,000 samples/s and never answers: the trainer tries
-    it, times out, bans it for longer each time, and trains through the honest peer."""
-    raw = tiny_manifest_dict()
-    first = start_peer(write_manifest(raw), "--stage", "0", "--status-every", "1")
-    raw["initial_peers"] = [first.maddr()]
-    manifest = manifest_from_dict(raw)
-    path = write_manifest(raw, "joined.json")
-    start_peer(path, "--stage", "1", "--no-trainer")
-    dht = client_dht(first.maddr())
-    try:
-        first.wait_for_json(lambda line: (line.get("trainer_samples") or 0) > 0, timeout=90, what="training")
-        hole = start_peer(
-            path, "--stage", "1", "--no-trainer", "--throughput", "100000", module="tests.adversaries.black_hole_peer"
-        )
-        hole_id = hole.peer_id()
-        deadline = time.monotonic() + 60
-        while hole_id not in _online(dht, manifest, 1):
-            assert time.monotonic() < deadline, "the black hole never announced itself online"
-            time.sleep(0.5)
-        begin = first.status_lines()[-1]
-        time.sleep(12)
-        end = first.status_lines()[-1]
-        trained = end["trainer_samples"] - begin["trainer_samples"]
-        failed = end["trainer_failed_microbatches"] - begin["trainer_failed_microbatches"]
-        assert trained >= 12 * 8, (begin, end)  # at least a microbatch a second, through the honest peer
-        assert failed <= 2, (begin, end)
-        assert _online(dht, manifest, 1)[hole_id] == 0  # it served nothing
-        print(f"with the black hole: {trained / 12:.1f} samples/s, {failed} microbatches failed")
-    finally:
-        dht.shutdown()
-
-
-def test_a_forger_cannot_take_a_live_peer_out_of_the_swarm(start_peer, write_manifest):
-    """A bare hivemind node keeps storing records that say the stage-1 peer went offline (with later expirations, so
-    they would win): the swarm's nodes refuse them, readers that check signatures still see the peer online, and
-    the trainer keeps training through it."""
-    raw = tiny_manifest_dict()
-    first = start_peer(write_manifest(raw), "--stage", "0", "--status-every", "1")
-    raw["initial_peers"] = [first.maddr()]
-    manifest = manifest_from_dict(raw)
-    victim = start_peer(write_manifest(raw, "joined.json"), "--stage", "1", "--no-trainer")
-    reader = client_dht(first.maddr())
-    joining.sign_records(reader, manifest, None)
-    forger = DHT(initial_peers=[first.maddr()], start=True, host_maddrs=[LOOPBACK])
-    try:
-        victim_id = victim.peer_id()
-        first.wait_for_json(lambda line: (line.get("trainer_samples") or 0) > 0, timeout=90, what="training")
-        record = {**next(a for a in asyncio.run(fetch_announcements(reader, manifest.swarm_id, 1))).to_record()}
-        assert record["peer_id"] == victim_id
-        record.update(state="offline", throughput=0.0)
-        begin = first.status_lines()[-1]["trainer_samples"]
-        for _ in range(10):
-            forger.store(stage_key(manifest.swarm_id, 1), record, get_dht_time() + 60, subkey=victim_id)
-            time.sleep(0.5)
-        assert victim_id in _online(reader, manifest, 1)
-        assert first.status_lines()[-1]["trainer_samples"] > begin + 5 * 8  # still trains through it
-        # and the peers count what they refused (the forger stores at every node of this small DHT)
-        first.wait_for_json(lambda line: line.get("refused_records", 0) >= 1, timeout=10, what="refused records")
-    finally:
-        forger.shutdown()
-        reader.shutdown()
-
-
+@pytest.mark.integration
+@pytest.mark.slow(55)
 def test_a_poisoning_replica_is_excluded_and_the_honest_replicas_keep_averaging(start_peer, write_manifest):
     """Stage 0 has three honest replicas and one that poisons every round (scaled, sign-flipped, a stale copy, in
     turn, each claiming a million samples' weight): the honest replicas' rounds with it are still applied (the
@@ -290,32 +228,3 @@ def test_a_poisoning_replica_is_excluded_and_the_honest_replicas_keep_averaging(
     )
     for peer in honest:
         assert peer.process.poll() is None
-
-
-def test_a_flood_of_reachability_checks_stops_neither_training_nor_a_newcomers_check(start_peer, write_manifest):
-    """A process keeps 32 reachability checks in flight at the stage-0 peer for 10 s, from one identity: it gets
-    one dial back and refusals after that, the peer trains on, and a newcomer's check in the meantime is answered."""
-    raw = tiny_manifest_dict()
-    first = start_peer(write_manifest(raw), "--stage", "0", "--status-every", "1")
-    raw["initial_peers"] = [first.maddr()]
-    start_peer(write_manifest(raw, "joined.json"), "--stage", "1", "--no-trainer")
-    first.wait_for_json(lambda line: (line.get("trainer_samples") or 0) > 0, timeout=90, what="training")
-    begin, started = first.status_lines()[-1], time.monotonic()
-    command = [sys.executable, "-m", "tests.adversaries.reachability_flood", first.maddr(), "10", "32"]
-    flood = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
-    try:
-        time.sleep(3)
-        verdict = asyncio.run(check_reachability([first.maddr()], [LOOPBACK], None))  # a newcomer, meanwhile
-        out, _ = flood.communicate(timeout=60)
-    finally:
-        if flood.poll() is None:  # its p2p daemon is in its process group
-            os.killpg(flood.pid, signal.SIGKILL)
-            flood.wait()
-    end, took = first.status_lines()[-1], time.monotonic() - started
-    answers = json.loads(out.strip().splitlines()[-1])
-    print(f"flood answers: {answers}; newcomer: {verdict}")
-    assert verdict.reachable is True, verdict.detail
-    assert answers.get("reachable", 0) <= 1 and answers.get("refused", 0) >= 100, answers
-    assert sum(n for key, n in answers.items() if key.startswith("failed")) <= 3, answers
-    assert end["trainer_samples"] - begin["trainer_samples"] >= 8 * took, (begin, end)  # a microbatch a second
-    assert first.process.poll() is None

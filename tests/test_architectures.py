@@ -18,8 +18,9 @@ from swarm.architectures.model import (
 )
 from swarm.errors import ManifestError
 from swarm.hf.format import from_hf_state, hf_config, to_hf_state
-from swarm.manifests.manifest import ModelConfig, manifest_from_dict
+from swarm.manifests.manifest import ModelConfig
 from swarm.manifests.presets import new_manifest
+from swarm.manifests.validation import manifest_from_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -194,7 +195,9 @@ def test_published_swarms_keep_their_ids():
 def test_the_chunked_loss_equals_the_loss_of_all_logits(monkeypatch, checkpointing):
     import swarm.architectures.model
 
-    monkeypatch.setattr(swarm.architectures.model, "LOSS_CHUNK_TOKENS", 50)  # 4 x 32 tokens: three chunks, the last one short
+    monkeypatch.setattr(
+        swarm.architectures.model, "LOSS_CHUNK_TOKENS", 50
+    )  # 4 x 32 tokens: three chunks, the last one short
     config = llama_manifest().model
     last = StageModel(config, range(1, 3), first=False, last=True, activation_checkpointing=checkpointing)
     x = torch.randn(4, 32, 64, requires_grad=True)

@@ -15,9 +15,9 @@ import torch
 from conftest import client_dht, tiny_manifest_dict
 from swarm.client.rpc import call_stage, download_state
 from swarm.dht.records import fetch_announcements
-from swarm.manifests.manifest import manifest_from_dict
-from swarm.server.stage_state import stage_state_shapes
-from swarm.wire import protocol
+from swarm.manifests.validation import manifest_from_dict
+from swarm.wire import messages
+from swarm.wire.state import stage_state_shapes
 
 pytestmark = pytest.mark.integration
 
@@ -49,9 +49,9 @@ class Driver:
         for _ in range(microbatches):
             self.calls += 1
             tokens = torch.randint(0, 64 * seed, (batch, config.context_length + 1), generator=generator)
-            request = protocol.make_request(self.manifest, 0, f"mb{self.calls}", [tokens[:, :-1], tokens[:, 1:]])
+            request = messages.make_request(self.manifest, 0, f"mb{self.calls}", [tokens[:, :-1], tokens[:, 1:]])
             reply = self.loop.run_until_complete(call_stage(self.p2p, peer_id, "forward", request, 30, 1))
-            protocol.decode_reply(reply, 1)  # the loss; raises on an error reply
+            messages.decode_reply(reply, 1)  # the loss; raises on an error reply
 
     def state(self, peer_id: str) -> dict[str, torch.Tensor]:
         fetch = download_state(self.p2p, peer_id, self.manifest, 0, self.shapes, 30)

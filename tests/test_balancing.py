@@ -10,21 +10,19 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from swarm.balancing import (
-    EXACT_LIMIT,
+from swarm.balancing.moves import (
     Move,
     PeerLoad,
     apply_moves,
     bottleneck,
     choose_stage,
-    efficiency,
-    optimal_assignment,
     plan_moves,
     should_move,
     stage_totals,
-    upper_bound,
     worthwhile_moves,
 )
+from swarm.balancing.optimum import EXACT_LIMIT, efficiency, optimal_assignment, upper_bound
+from swarm.errors import BalancingError
 
 
 def swarm(*stages: Sequence[float]) -> list[PeerLoad]:
@@ -78,7 +76,7 @@ def test_stage_totals_count_joining_peers_and_ignore_unknown_stages():
 
 @pytest.mark.parametrize("throughput", [-1.0, float("nan"), float("inf")])
 def test_bad_throughputs_are_refused(throughput):
-    with pytest.raises(ValueError, match="throughput"):
+    with pytest.raises(BalancingError, match="throughput"):
         PeerLoad("a", 0, throughput)
 
 
@@ -238,6 +236,8 @@ def test_optimal_assignment_with_fewer_peers_than_stages_is_zero():
     assert optimal_assignment([5.0, 3.0], 3) == ([0, 1], 0.0)
     assert optimal_assignment([], 2) == ([], 0.0)
     assert upper_bound([5.0, 3.0], 3) == 0.0
+    with pytest.raises(BalancingError, match="at least one stage"):
+        optimal_assignment([5.0, 3.0], 0)
 
 
 def test_upper_bound_accounts_for_peers_too_fast_to_share():
@@ -366,7 +366,7 @@ def test_naive_rule_oscillates_where_the_plan_settles(concurrent):
 
 
 def test_announcements_become_loads_joining_and_pinned_peers_included_but_not_movable():
-    from swarm.balancing import peer_loads
+    from swarm.balancing.moves import peer_loads
     from swarm.dht.records import Announcement
 
     def ann(peer_id: str, state: str, pinned: bool = False, expiration: float = 100.0) -> Announcement:

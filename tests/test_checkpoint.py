@@ -7,9 +7,9 @@ import torch
 
 from conftest import tiny_manifest_dict
 from swarm.architectures.model import build_stage
-from swarm.errors import BadRequestError
-from swarm.manifests.manifest import manifest_from_dict
-from swarm.server.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+from swarm.errors import BadRequestError, CheckpointError
+from swarm.manifests.validation import manifest_from_dict
+from swarm.server.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from swarm.server.compute import StageCompute
 
 

@@ -146,7 +146,7 @@ def test_demo_trains_and_reports_json_with_its_monitor():
     """swarm-demo --monitor 0: the monitor's URL is printed, its page answers while the demo trains, and it stops
     with the demo."""
     demo = subprocess.Popen(
-        [sys.executable, "-m", "peers.swarm_demo", "--duration", "20", "--json", "--monitor", "0"],
+        [sys.executable, "-m", "peers.swarm_demo", "--duration", "10", "--json", "--monitor", "0"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:

@@ -9,6 +9,7 @@ import pytest
 
 from swarm.client.window import AdaptiveWindow
 from swarm.dht.records import Announcement, PeerState
+from swarm.errors import MalformedDataError
 from swarm.network.coordinates import Coordinate, Vivaldi, round_trip
 from swarm.routing import ORIGIN, Router
 
@@ -36,7 +37,7 @@ def test_coordinates_from_records_are_checked():
     good = Coordinate((0.01, -0.02), 0.005, 0.2)
     assert Coordinate.from_record(good.to_record()) == good
     for bad in [None, [], [1, 2, 3], [0, 0, 0, 0, 0], ["a", 0, 0, 0], [math.nan, 0, 0, 0], [1e9, 0, 0, 0]]:
-        with pytest.raises(ValueError):
+        with pytest.raises(MalformedDataError):
             Coordinate.from_record(bad)
     assert Vivaldi().coordinate.known is False
     v = Vivaldi()

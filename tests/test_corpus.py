@@ -29,7 +29,7 @@ from swarm.dataset.shards import (
 )
 from swarm.dataset.tokenizer import ENDOFTEXT, byte_tokenizer, train_tokenizer
 from swarm.errors import DataError
-from swarm.manifests.manifest import manifest_from_dict
+from swarm.manifests.validation import manifest_from_dict
 
 WORDS = "swarm peer stage trainer shard token über naïve 日本語 данные def return import class".split()
 
@@ -333,5 +333,7 @@ def test_swarm_data_runs_as_a_program(folder, tmp_path):
     summary = json.loads(done.stdout)
     assert summary["documents"] == len(texts) and summary["vocab_size"] == 256
     assert summary["index_sha256"] == index_sha256(tmp_path / "o")
-    shown = subprocess.run([sys.executable, "-m", "peers.swarm_data", "--help"], capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(
+        [sys.executable, "-m", "peers.swarm_data", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert shown.returncode == 0 and "examples:" in shown.stdout and "swarm-data prepare" in shown.stdout

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from swarm.errors import EmulatedLinkError
 from swarm.network.emulated_links import EmulatedLinks, LinkSpec
 
 
@@ -74,14 +75,19 @@ def wait_received(server: EchoServer, size: int, timeout: float = 20.0) -> float
     return time.monotonic()
 
 
+# Timing on a loaded 2-core machine: a delay or a rate limit makes a transfer take at least so long (the lower
+# bounds prove that it is applied); how much longer it takes depends on the load, so the upper bounds are loose:
+# they only catch a delay or rate applied several times over, or in the wrong unit.
+
+
 def test_delay_adds_a_round_trip_of_twice_the_one_way_delay():
     server = EchoServer()
     with EmulatedLinks(lifetime=60) as links:
-        plain = round_trip(server.port)
+        plain = min(round_trip(server.port) for _ in range(3))
         relay = links.add("peer", server.port, LinkSpec.parse("unlimited/25ms"))
         delayed = min(round_trip(relay) for _ in range(3))
-        assert plain < 0.02
-        assert 0.05 <= delayed < 0.08, delayed
+        assert 0.05 <= delayed < 0.05 + 0.2, delayed  # 25 ms each way, once
+        assert delayed > plain, (delayed, plain)
         # the echo came back through the relay: both directions counted
         assert links.carried()["peer"] == {"up": 101 * 3, "down": 101 * 3}
     server.close()
@@ -95,7 +101,7 @@ def test_bandwidth_is_shared_by_all_connections_of_a_peer():
         begin = time.monotonic()
         send_all(relay, size)
         one = time.monotonic() - begin
-        assert 0.45 <= one < 0.8, one  # 10 Mbit at 20 Mbit/s: 0.5 s
+        assert 0.45 <= one < 0.5 * 4, one  # 10 Mbit at 20 Mbit/s: 0.5 s
 
         begin = time.monotonic()
         threads = [threading.Thread(target=send_all, args=(relay, size)) for _ in range(2)]
@@ -104,7 +110,8 @@ def test_bandwidth_is_shared_by_all_connections_of_a_peer():
         for thread in threads:
             thread.join()
         two = time.monotonic() - begin
-        assert 0.95 <= two < 1.5, two  # twice the bytes through the same downlink: twice the time
+        # twice the bytes through the same downlink: twice the time (each connection its own 20 Mbit/s: 0.5 s)
+        assert 0.95 <= two < 1.0 * 4, two
         assert links.carried()["peer"]["down"] == 3 * size
     server.close()
 
@@ -130,10 +137,15 @@ def test_relays_stop_by_themselves():
     server = EchoServer()
     links = EmulatedLinks(lifetime=0.5)
     relay = links.add("peer", server.port, LinkSpec())
-    assert round_trip(relay) < 0.05
-    time.sleep(1.0)
-    with pytest.raises(OSError):
-        round_trip(relay)
+    round_trip(relay)  # it relays while it lives
+    deadline = time.monotonic() + 20
+    while True:  # gone after its lifetime (0.5 s; later on a busy machine): a connection is refused
+        try:
+            round_trip(relay)
+        except OSError:
+            break
+        assert time.monotonic() < deadline, "the relay still works 20 s after its lifetime of 0.5 s"
+        time.sleep(0.1)
     links.close()  # closing again is harmless
     server.close()
 
@@ -153,5 +165,5 @@ def test_specs_parse(text, expected):
 
 @pytest.mark.parametrize("text", ["", "fast", "20mbps", "20mbit/25", "0mbit", "1:2:3mbit", "20mbit/25ms/1ms/2ms"])
 def test_bad_specs_say_what_a_spec_looks_like(text):
-    with pytest.raises(ValueError, match="like|is RATE|rate"):
+    with pytest.raises(EmulatedLinkError, match="like|is RATE|rate"):
         LinkSpec.parse(text)

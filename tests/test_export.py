@@ -24,7 +24,6 @@ from peers.swarm_export import main as export_main
 from peers.swarm_export import print_summary
 from swarm.architectures.model import build_full_model, build_stage
 from swarm.client.export import (
-    ExportError,
     StageSource,
     assemble_full_state,
     check_output_path,
@@ -35,8 +34,9 @@ from swarm.client.export import (
 )
 from swarm.client.rpc import download_state
 from swarm.dht.records import fetch_announcements
-from swarm.manifests.manifest import manifest_from_dict
-from swarm.server.stage_state import stage_state_shapes
+from swarm.errors import ExportError
+from swarm.manifests.validation import manifest_from_dict
+from swarm.wire.state import stage_state_shapes
 
 GENERATE = ROOT / "examples" / "generate.py"
 
@@ -70,7 +70,9 @@ def finish_tool(tool: subprocess.Popen, timeout: float) -> subprocess.CompletedP
 
 def export_command(manifest_path: Path | str, out: Path, *flags: str, script: bool = False) -> list[str]:
     """`python -m peers.swarm_export ...`, or with `script` the installed `swarm-export` (pyproject's entry point)."""
-    program = [str(Path(sys.executable).parent / "swarm-export")] if script else [sys.executable, "-m", "peers.swarm_export"]
+    program = (
+        [str(Path(sys.executable).parent / "swarm-export")] if script else [sys.executable, "-m", "peers.swarm_export"]
+    )
     return [*program, "--join", str(manifest_path), "--out", str(out), *flags]
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import tiny_manifest_dict
-from swarm.client.export import ExportError, write_safetensors
-from swarm.errors import ManifestError
+from swarm.client.export import write_safetensors
+from swarm.errors import ExportError, ManifestError
 from swarm.files import atomic_write
 from swarm.manifests.loading import load_manifest, write_manifest
-from swarm.manifests.manifest import manifest_from_dict
+from swarm.manifests.validation import manifest_from_dict
 from swarm.server.checkpoint import save_checkpoint
 from swarm.throughput import read_cached, write_cached
 from swarm.trust.secret import read_secret, write_secret

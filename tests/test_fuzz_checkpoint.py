@@ -17,8 +17,8 @@ import torch
 
 from fuzzing import CASES, FIRST, MANIFEST, print_case_counts  # noqa: F401
 from swarm.architectures.model import build_stage
-from swarm.errors import BadRequestError
-from swarm.server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from swarm.errors import BadRequestError, CheckpointError
+from swarm.server.checkpoint import load_checkpoint, save_checkpoint
 from swarm.server.compute import StageCompute
 
 

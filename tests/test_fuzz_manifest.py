@@ -15,7 +15,8 @@ import pytest
 
 from fuzzing import CASES, RAW_MANIFEST, print_case_counts  # noqa: F401
 from swarm.errors import ManifestError
-from swarm.manifests.manifest import Manifest, manifest_from_dict, parse_manifest
+from swarm.manifests.manifest import Manifest
+from swarm.manifests.validation import manifest_from_dict, parse_manifest
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 FULL_MANIFEST = manifest_from_dict({**RAW_MANIFEST, "initial_peers": [PEER]}).to_dict()  # every field written out

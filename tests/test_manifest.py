@@ -10,7 +10,8 @@ import pytest
 from conftest import ROOT, tiny_manifest_dict
 from swarm.errors import ManifestError
 from swarm.manifests.loading import load_manifest
-from swarm.manifests.manifest import Manifest, ModelConfig, even_stages, manifest_from_dict, parse_manifest
+from swarm.manifests.manifest import Manifest, ModelConfig, even_stages
+from swarm.manifests.validation import manifest_from_dict, parse_manifest
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 

@@ -17,7 +17,7 @@ from peers.swarm_peer import main as peer_main
 from swarm import PROTOCOL_VERSION
 from swarm.errors import ManifestError
 from swarm.manifests.loading import load_manifest
-from swarm.manifests.manifest import manifest_from_dict
+from swarm.manifests.validation import manifest_from_dict
 
 GOOD = tiny_manifest_dict()
 OLD_VERSION = {**tiny_manifest_dict(), "protocol_version": 1}

@@ -22,8 +22,8 @@ from swarm.architectures.model import build_stage
 from swarm.client.trainer import Trainer
 from swarm.dht.records import PeerState
 from swarm.errors import PeerStartError
-from swarm.manifests.manifest import manifest_from_dict
-from swarm.server.rebalancer import Rebalancer
+from swarm.manifests.validation import manifest_from_dict
+from swarm.peer.peer import Peer
 from swarm.server.stage import ServingOptions, StageServer
 from swarm.throughput import Throughput
 from swarm.watch.metrics import PeerCollector, start_metrics_server
@@ -160,34 +160,33 @@ def test_metrics_flags_default_to_off_and_loopback():
     assert (args.metrics_port, args.metrics_host) == (9100, "127.0.0.1")
 
 
-def offline_peer() -> tuple[Rebalancer, Trainer, StageServer]:
-    """A peer's objects without a DHT: enough for what the metrics read."""
+def offline_peer() -> tuple[Peer, Trainer, StageServer]:
+    """A peer without a DHT, a trainer and a stage server it does not have yet: enough for what the metrics read."""
     manifest = manifest_from_dict(tiny_manifest_dict())
-    rebalancer = Rebalancer(manifest, None, None, "peer-a", torch.device("cpu"), ServingOptions(public_name="a"))
-    trainer = Trainer(manifest, None, None, "peer-a", view=rebalancer.view, traffic=rebalancer.traffic)
+    peer = Peer(manifest, None, None, torch.device("cpu"), ServingOptions(public_name="a"), peer_id="peer-a")
+    trainer = Trainer(manifest, None, None, "peer-a", view=peer.context.view, traffic=peer.context.traffic)
     server = StageServer(manifest, 1, build_stage(manifest, 1), torch.device("cpu"), "peer-a", Throughput(30.0, 20.0))
-    return rebalancer, trainer, server
+    return peer, trainer, server
 
 
 def test_metrics_follow_the_peer_from_joining_to_serving():
-    rebalancer, trainer, server = offline_peer()
-    current: list[Trainer | None] = [None]
+    peer, trainer, server = offline_peer()
 
     async def run() -> tuple[list[Sample], list[Sample], list[Sample]]:
-        metrics = start_metrics_server("127.0.0.1", 0, rebalancer, lambda: current[0])
+        metrics = start_metrics_server("127.0.0.1", 0, peer.info(), peer.snapshot)
         try:
             assert metrics.port > 0 and metrics.url == f"http://127.0.0.1:{metrics.port}/metrics"
             joining = await asyncio.to_thread(scrape, metrics.url)  # no server yet, no trainer yet
-            current[0] = trainer
+            peer.trainer = trainer
             trainer.unserved_stages.add(0)  # no microbatch yet: the loss is NaN
             waiting = await asyncio.to_thread(scrape, metrics.url)
-            rebalancer.server, server.state = server, PeerState.ONLINE
+            peer.rebalancer.server, server.state = server, PeerState.ONLINE
             server.worker.counters.samples_served, server.admission.bad_requests = 64, 3
             server.round_counters.failed = 1
             trainer.unserved_stages.clear()
             trainer.samples, trainer.failed_microbatches = 8, 2
             trainer.recent.append((time.monotonic(), 2.5, 8))
-            rebalancer.traffic.averaging_sent = 1234
+            peer.context.traffic.averaging_sent = 1234
             serving = await asyncio.to_thread(scrape, metrics.url)
         finally:
             metrics.stop()
@@ -220,11 +219,11 @@ def test_metrics_follow_the_peer_from_joining_to_serving():
 
 
 def test_a_blocked_event_loop_gives_the_static_metrics_only():
-    rebalancer, _, server = offline_peer()
-    rebalancer.server = server
+    peer, _, server = offline_peer()
+    peer.rebalancer.server = server
 
     async def run() -> list[str]:
-        collector = PeerCollector(rebalancer, loop=asyncio.get_running_loop(), timeout=0.2)
+        collector = PeerCollector(peer.info(), peer.snapshot, loop=asyncio.get_running_loop(), timeout=0.2)
         scraping = asyncio.get_running_loop().run_in_executor(None, lambda: list(collector.collect()))
         time.sleep(3.0)  # the loop is busy with something else than answering the scrape (which gives up at 0.2 s)
         return [family.name for family in await scraping]
@@ -233,15 +232,15 @@ def test_a_blocked_event_loop_gives_the_static_metrics_only():
 
 
 def test_unusable_address_is_a_clear_error():
-    rebalancer, _, _ = offline_peer()
+    peer, _, _ = offline_peer()
 
     async def run() -> None:
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             with pytest.raises(PeerStartError, match="already in use; choose another --metrics-port"):
-                start_metrics_server("127.0.0.1", taken.getsockname()[1], rebalancer)
+                start_metrics_server("127.0.0.1", taken.getsockname()[1], peer.info(), peer.snapshot)
         with pytest.raises(PeerStartError, match="cannot listen on 192.0.2.1"):  # not an address of this machine
-            start_metrics_server("192.0.2.1", 0, rebalancer)
+            start_metrics_server("192.0.2.1", 0, peer.info(), peer.snapshot)
 
     asyncio.run(run())

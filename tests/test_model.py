@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_manifest_dict
 from swarm.architectures.model import build_full_model, build_stage, count_parameters
-from swarm.manifests.manifest import manifest_from_dict
+from swarm.manifests.validation import manifest_from_dict
 
 
 def manifest(depth=5, layers=((0, 1), (1, 4), (4, 5))):

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import free_ports
 from conftest import ROOT, tiny_manifest_dict
 from peers import processes
+from peers.processes import free_ports
 from peers.swarm_monitor import main as monitor_main
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -72,6 +72,16 @@ def browser():
                  "--disable-dev-shm-usage", "--window-size=1400,2300"):  # fmt: skip
         options.add_argument(flag)
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+def page_status(driver) -> str:
+    """What the page's status card says, and the errors in its console (why it did not load)."""
+    try:
+        says = driver.execute_script("return document.getElementById('status-card').innerText")
+        errors = [entry["message"] for entry in driver.get_log("browser") if entry.get("level") == "SEVERE"]
+        return f"{says} (console errors: {errors})"
+    except Exception as e:  # the page or the browser is gone: say so, the test fails anyway
+        return f"(unreadable: {e!r})"
 
 
 @pytest.mark.integration
@@ -132,7 +142,10 @@ def test_the_monitor_of_a_live_swarm_in_a_real_browser(start_peer, write_manifes
         driver = browser()
         started = time.monotonic()
         driver.get(url)
-        wait_until(lambda: driver.execute_script("return document.body.dataset.loaded === 'true'"), 30, "the page")
+        try:  # (a loaded 2-core machine runs a whole browser slowly)
+            wait_until(lambda: driver.execute_script("return document.body.dataset.loaded === 'true'"), 90, "the page")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the page says {page_status(driver)!r}") from None
         load_seconds = time.monotonic() - started
         rows = driver.execute_script(
             "return [...document.querySelectorAll('#peers-table tbody tr')].map(r => [...r.cells].map(c => c.textContent))"

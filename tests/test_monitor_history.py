@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import tiny_manifest_dict
 from swarm.dht.records import Announcement, TrainerReport, announcement_lifetime
-from swarm.errors import SwarmError
-from swarm.manifests.manifest import manifest_from_dict
-from swarm.monitor.history import THIN_EVERY, History, HistoryError
+from swarm.errors import HistoryError, SwarmError
+from swarm.manifests.validation import manifest_from_dict
+from swarm.monitor.history import THIN_EVERY, History
 from swarm.monitor.leaderboard import Leaderboard, advance, disagreement
 from swarm.monitor.prometheus import swarm_metrics
 from swarm.monitor.sampling import peer_rows, stage_rows, swarm_sample
@@ -65,7 +65,7 @@ def test_samples_go_in_and_come_out_as_aligned_series(tmp_path):
     assert series["stages"]["0"]["online_peers"] == [1] * 10 + [0]
     assert series["stages"]["1"]["throughput"][0] == 10.0
     assert json.dumps(series, allow_nan=False)  # nothing a browser's JSON parser would refuse
-    with pytest.raises(ValueError, match="unknown window"):
+    with pytest.raises(HistoryError, match="unknown window"):
         history.series("fortnight", 1011.0)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from peers.swarm_data import main as data_main
 from peers.swarm_init import main as init_main
+from swarm.client.rpc import tokenizer_from_peers
 from swarm.dataset import tokenizer_source
 from swarm.dataset.tokenizer import load_tokenizer, train_tokenizer
 from swarm.errors import TokenizerError
@@ -51,7 +52,7 @@ def test_a_changed_tokenizer_file_is_refused(tmp_path, monkeypatch):
     manifest = load_manifest(out)
     assert tokenizer_source.local_tokenizer(manifest) is None  # not used: the swarm's peers are asked instead
     with pytest.raises(TokenizerError, match="no peer was found"):
-        asyncio.run(tokenizer_source.tokenizer_from_peers(None, manifest, []))
+        asyncio.run(tokenizer_from_peers(None, manifest, []))
 
 
 def test_prepared_data_is_pinned_and_must_match_the_tokenizer(tmp_path, capsys):

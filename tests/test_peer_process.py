@@ -17,8 +17,8 @@ from swarm.client.trainer import Trainer
 from swarm.dataset.shards import TextData, heldout_batches
 from swarm.dht.records import fetch_announcements, fetch_trainer_reports
 from swarm.errors import RemoteStageError
-from swarm.manifests.manifest import manifest_from_dict
-from swarm.wire import protocol
+from swarm.manifests.validation import manifest_from_dict
+from swarm.wire import messages
 
 pytestmark = pytest.mark.integration
 
@@ -51,14 +51,14 @@ async def check_malformed_requests(p2p, manifest, raw: dict, first, second) -> N
     other = manifest_from_dict({**raw, "name": "another-swarm"})
 
     def request(tensors, m=manifest, microbatch_id="mb", train=True, stage=1):
-        return protocol.make_request(m, stage, microbatch_id, tensors, train=train)
+        return messages.make_request(m, stage, microbatch_id, tensors, train=train)
 
     nan_hidden = hidden.clone()
     nan_hidden[0, 0, 0] = float("nan")
     garbage = request([hidden, targets])
     garbage.metadata = b"\xff\x00 not msgpack"
     bad_version = request([hidden, targets])
-    bad_version.metadata = protocol.MSGPackSerializer.dumps(
+    bad_version.metadata = messages.pack(
         {"swarm_id": manifest.swarm_id, "protocol_version": 999, "microbatch_id": "x", "train": True}
     )
     truncated = request([hidden, targets])
@@ -97,25 +97,25 @@ async def check_malformed_requests(p2p, manifest, raw: dict, first, second) -> N
 
         async def probe_loss() -> float:
             reply = await call_stage(p2p, stage1, "forward", probe, 10, batch * length * width)
-            return float(protocol.decode_reply(reply, 10**8)[0])
+            return float(messages.decode_reply(reply, 10**8)[0])
 
         async def first_stage_output() -> torch.Tensor:
             reply = await call_stage(
                 p2p, stage0, "forward", request([tokens], train=False, stage=0), 10, batch * length * width
             )
-            return protocol.decode_reply(reply, 10**8)[0]
+            return messages.decode_reply(reply, 10**8)[0]
 
         before, before0 = await probe_loss(), await first_stage_output()
         errors = {}
         for name, (peer, kind, req) in cases.items():
             reply = await call_stage(p2p, peer, kind, req, 10, batch * length * width)
             with pytest.raises(RemoteStageError) as info:
-                protocol.decode_reply(reply, 10**8)
+                messages.decode_reply(reply, 10**8)
             errors[name] = info.value
         after, after0 = await probe_loss(), await first_stage_output()
         # the server still trains on a good request afterwards
         good = await call_stage(p2p, stage1, "forward", request([hidden, targets]), 10, batch * length * width)
-        loss, grad = protocol.decode_reply(good, 10**8)
+        loss, grad = messages.decode_reply(good, 10**8)
         trained = await probe_loss()
         return before, after, before0, after0, errors, grad, trained
 
@@ -304,7 +304,7 @@ def test_large_activations_go_by_stream(start_peer, write_manifest):
     )
     manifest = manifest_from_dict(raw)
     activation_bytes = 32 * 64 * 512 * 4
-    assert protocol.needs_stream(activation_bytes, 32 * 64 * 512)
+    assert messages.needs_stream(activation_bytes, 32 * 64 * 512)
     # no measurements of this model; status lines every second (stage 0's bytes are read from them)
     flags = ("--no-trainer", "--throughput", "100", "--bandwidth", "1000", "--status-every", "1")
     first = start_peer(write_manifest(raw), "--stage", "0", *flags)
@@ -320,10 +320,10 @@ def test_large_activations_go_by_stream(start_peer, write_manifest):
             trainer = Trainer(manifest, dht, p2p, str(dht.peer_id), seed=0)
             await trainer.train(tokens.train, asyncio.Event(), max_samples=32 * 3)
             # an oversized message by stream is refused while it arrives, and the peer stays up
-            huge = protocol.make_request(manifest, 1, "big", [torch.randn(64, 64, 512), torch.zeros(64, 64).long()])
+            huge = messages.make_request(manifest, 1, "big", [torch.randn(64, 64, 512), torch.zeros(64, 64).long()])
             reply = await call_stage(p2p, last.peer_id(), "forward", huge, 30, 64 * 64 * 512)
             with pytest.raises(RemoteStageError) as info:
-                protocol.decode_reply(reply, 10**9)
+                messages.decode_reply(reply, 10**9)
             await p2p.shutdown()
             return trainer, info.value
 

@@ -12,10 +12,10 @@ import torch
 from conftest import tiny_manifest_dict
 from swarm.architectures.model import build_stage
 from swarm.dataset.shards import sample_batch
-from swarm.manifests.manifest import manifest_from_dict
+from swarm.errors import GradientOverflowError
+from swarm.manifests.validation import manifest_from_dict
 from swarm.server.compute import StageCompute
-from swarm.server.precision import GradientOverflowError
-from swarm.wire import protocol
+from swarm.wire import messages
 
 LLAMA = {"architecture": "llama", "width": 64, "depth": 2, "heads": 4, "kv_heads": 2, "context_length": 32}
 TEXT = np.frombuffer(b"def stage(x):\n    return x * 2 + 1\n" * 400, dtype=np.uint8)
@@ -28,10 +28,10 @@ def pair(precision: str) -> tuple[StageCompute, StageCompute]:
 
 
 def step(first: StageCompute, last: StageCompute, x: torch.Tensor, y: torch.Tensor, name: str) -> float:
-    (hidden,) = first.process("forward", protocol.StageRequest(0, name, True, [x]), "trainer")
-    loss, grad = last.process("forward", protocol.StageRequest(1, name, True, [hidden, y]), "trainer")
+    (hidden,) = first.process("forward", messages.StageRequest(0, name, True, [x]), "trainer")
+    loss, grad = last.process("forward", messages.StageRequest(1, name, True, [hidden, y]), "trainer")
     assert hidden.dtype == torch.float32 and grad.dtype == torch.float32
-    first.process("backward", protocol.StageRequest(0, name, True, [grad]), "trainer")
+    first.process("backward", messages.StageRequest(0, name, True, [grad]), "trainer")
     return float(loss)
 
 
@@ -53,11 +53,11 @@ def test_a_mixed_precision_pipeline_learns_with_float32_state(precision):
 def test_a_float16_overflow_is_refused_and_lowers_the_scale():
     first, last = pair("float16")
     x, y = sample_batch(TEXT, 8, 32, np.random.default_rng(1))
-    (hidden,) = first.process("forward", protocol.StageRequest(0, "a", True, [x]), "trainer")
+    (hidden,) = first.process("forward", messages.StageRequest(0, "a", True, [x]), "trainer")
     before = [p.detach().clone() for p in first.params]
     huge = torch.full((8, 32, 64), 1e30)  # finite on the wire, Inf once scaled in float16 arithmetic
     with pytest.raises(GradientOverflowError, match="overflowed"):
-        first.process("backward", protocol.StageRequest(0, "a", True, [huge, x]), "trainer")
+        first.process("backward", messages.StageRequest(0, "a", True, [huge, x]), "trainer")
     assert first.scaler.scale == 2.0**15 and first.scaler.overflows == 1
     assert all(torch.equal(a, b) for a, b in zip(before, first.params)) and first.backward_passes == 0
     assert hidden.dtype == torch.float32

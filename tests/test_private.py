@@ -19,10 +19,10 @@ from swarm.client.rpc import call_stage, download_state, fetch_manifest
 from swarm.dht.records import fetch_announcements
 from swarm.errors import ManifestError, RemoteStageError
 from swarm.manifests.loading import load_manifest
-from swarm.manifests.manifest import manifest_from_dict
+from swarm.manifests.validation import manifest_from_dict
 from swarm.server.reachability import check_reachability
 from swarm.trust.secret import SecretAuthorizer, SwarmSecret, read_secret, write_secret
-from swarm.wire import protocol
+from swarm.wire import messages, validation
 
 # -------------------------------------------------------------------------------------------- pure parts
 
@@ -152,18 +152,18 @@ def test_outsiders_cannot_read_call_or_join_a_private_swarm(start_peer, write_ma
         try:
             batch, length = manifest.training.microbatch_size, manifest.model.context_length
             tensors = [torch.randn(batch, length, manifest.model.width), torch.randint(0, 256, (batch, length))]
-            elements = protocol.max_request_elements(manifest)
+            elements = validation.max_request_elements(manifest)
             for proof in (None, manifest.proof(first.peer_id()), "0" * 32):
-                request = protocol.make_request(manifest, 1, "mb", tensors, train=False, proof=proof)
+                request = messages.make_request(manifest, 1, "mb", tensors, train=False, proof=proof)
                 reply = await call_stage(p2p, last_id, "forward", request, 10.0, elements)
                 with pytest.raises(RemoteStageError, match="this swarm is private") as refusal:
-                    protocol.decode_reply(reply, elements)
+                    messages.decode_reply(reply, elements)
                 assert refusal.value.code == "bad_request"
             # the same by stream (a large expected reply forces one): refused on its first part, before the rest is
             # read, so the refusal itself may be lost with the stream (an outsider is owed no explanation)
-            request = protocol.make_request(manifest, 1, "mb", tensors, train=False)
+            request = messages.make_request(manifest, 1, "mb", tensors, train=False)
             with pytest.raises(RemoteStageError, match="this swarm is private|ended the stream without a reply"):
-                protocol.decode_reply(await call_stage(p2p, last_id, "forward", request, 10.0, 10**6), elements)
+                messages.decode_reply(await call_stage(p2p, last_id, "forward", request, 10.0, 10**6), elements)
             with pytest.raises(RemoteStageError, match="this swarm is private"):
                 await fetch_manifest(p2p, last_id, 10.0)
             outsider_view = dataclasses.replace(manifest, secret=SwarmSecret(b"guess" * 8))  # a wrong secret
@@ -171,10 +171,10 @@ def test_outsiders_cannot_read_call_or_join_a_private_swarm(start_peer, write_ma
             with pytest.raises(RemoteStageError, match="this swarm is private"):
                 await download_state(p2p, last_id, outsider_view, 1, shapes, 10.0)
             # the same request with this peer's own proof (a member's) is served
-            request = protocol.make_request(
+            request = messages.make_request(
                 manifest, 1, "mb", tensors, train=False, proof=manifest.proof(str(p2p.peer_id))
             )
-            (loss,) = protocol.decode_reply(
+            (loss,) = messages.decode_reply(
                 await call_stage(p2p, last_id, "forward", request, 10.0, elements), elements
             )
             assert torch.isfinite(loss).all()

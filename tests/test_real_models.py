@@ -24,7 +24,7 @@ from swarm.client.export import assemble_full_state, stage_parameters
 from swarm.client.rpc import download_state
 from swarm.dataset.tokenizer import load_tokenizer
 from swarm.manifests.loading import load_manifest
-from swarm.server.stage_state import stage_state_shapes
+from swarm.wire.state import stage_state_shapes
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,8 +12,8 @@ import torch
 from conftest import client_dht, tiny_manifest_dict
 from swarm.architectures.model import build_stage
 from swarm.client.rpc import download_state
-from swarm.manifests.manifest import manifest_from_dict
-from swarm.server.stage_state import stage_state_shapes
+from swarm.manifests.validation import manifest_from_dict
+from swarm.wire.state import stage_state_shapes
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ from hivemind import DHT
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from benchmarks.common import tiny_manifest_dict
-from swarm.dht import joining
+from conftest import tiny_manifest_dict
+from swarm.dht import node
 from swarm.dht.records import (
     Announcement,
     PeerState,
@@ -27,7 +27,8 @@ from swarm.dht.records import (
     store_trainer_report,
     trainers_key,
 )
-from swarm.manifests.manifest import Manifest, manifest_from_dict
+from swarm.manifests.manifest import Manifest
+from swarm.manifests.validation import manifest_from_dict
 from swarm.trust.signing import (
     OWNER_KEY_FIELD,
     SIGNATURE_FIELD,
@@ -46,19 +47,19 @@ def swarm():
     victim_key, honest_key = IdentityKey.generate(), IdentityKey.generate()
     nodes = []
     try:
-        victim = joining.start_dht([], LOOPBACK, identity=victim_key)
+        victim = node.start_dht([], LOOPBACK, identity=victim_key)
         nodes.append(victim)
         maddrs = [str(a) for a in victim.get_visible_maddrs()]
-        honest = joining.start_dht(maddrs, LOOPBACK, identity=honest_key)
+        honest = node.start_dht(maddrs, LOOPBACK, identity=honest_key)
         nodes.append(honest)
         forger = DHT(initial_peers=maddrs, start=True, host_maddrs=LOOPBACK)  # no validator: stores anything
         nodes.append(forger)
-        joining.sign_records(victim, manifest, victim_key)
-        joining.sign_records(honest, manifest, honest_key)
+        node.sign_records(victim, manifest, victim_key)
+        node.sign_records(honest, manifest, honest_key)
         yield manifest, victim, victim_key, honest, forger
     finally:
-        for node in nodes:
-            node.shutdown()
+        for dht in nodes:
+            dht.shutdown()
 
 
 def run(coroutine):
@@ -145,9 +146,9 @@ def test_a_forger_cannot_impersonate_a_peer_under_its_own_id(swarm):
     """A forger's own, validly signed record that names the victim in its body is dropped by the reader."""
     manifest, victim, victim_key, honest, forger = swarm
     impostor_key = IdentityKey.generate()
-    impostor = joining.start_dht([str(a) for a in victim.get_visible_maddrs()], LOOPBACK, identity=impostor_key)
+    impostor = node.start_dht([str(a) for a in victim.get_visible_maddrs()], LOOPBACK, identity=impostor_key)
     try:
-        joining.sign_records(impostor, manifest, impostor_key)
+        node.sign_records(impostor, manifest, impostor_key)
         fake = {**announcement(victim_key.peer_id, throughput=555.0).to_record()}
         assert impostor.store(stage_key(manifest.swarm_id, 1), fake, get_dht_time() + 30, subkey=impostor_key.peer_id)
         anns = run(fetch_announcements(honest, manifest.swarm_id, 1))

@@ -19,7 +19,7 @@ from peers import processes
 from peers.peer_status import main as status_main
 from swarm.dht.records import Announcement, TrainerReport, announcement_lifetime
 from swarm.manifests.loading import load_manifest
-from swarm.manifests.manifest import manifest_from_dict
+from swarm.manifests.validation import manifest_from_dict
 from swarm.watch.status import DEGRADED, HEALTHY, exit_code, find_peer, peer_status, swarm_health
 
 NOW = 10_000.0

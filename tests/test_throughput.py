@@ -11,8 +11,7 @@ import torch
 from conftest import tiny_manifest_dict
 from swarm.architectures.model import build_stage
 from swarm.errors import BadRequestError
-from swarm.manifests.manifest import manifest_from_dict
-from swarm.server.stage_state import load_state_tensors, state_tensors
+from swarm.manifests.validation import manifest_from_dict
 from swarm.throughput import (
     DeliveredThroughput,
     SimulatedSpeed,
@@ -24,6 +23,7 @@ from swarm.throughput import (
     network_throughput,
     stage_bytes_per_sample,
 )
+from swarm.wire.state import load_state_tensors, state_tensors
 
 MANIFEST = manifest_from_dict(tiny_manifest_dict())
 CPU = torch.device("cpu")

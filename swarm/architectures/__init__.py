@@ -1,6 +1,11 @@
-"""The model architectures a manifest can name (`model.architecture`): each module defines the same three parts,
-`Embeddings`, `Block` and `Head`, which swarm/architectures/model.py stacks into stages, plus how many parameters a block has
-and which weights are residual projections (initialised smaller)."""
+"""The models a swarm trains.
+
+- gpt.py, llama.py: the architectures a manifest can name (`model.architecture`); each defines the same three
+  parts, `Embeddings`, `Block` and `Head`, how many parameters a block has and which weights are residual
+  projections (initialised smaller).
+- model.py: a decoder of either, split into pipeline stages: `build_stage` builds one stage's parameters only,
+  `build_full_model` the whole model (export, tests).
+"""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from swarm.architectures import architecture
+from swarm.errors import ManifestError
 from swarm.manifests.manifest import Manifest, ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -132,7 +133,10 @@ def _run_block(block: nn.Module, names: list[str], extras: int, x: torch.Tensor,
 def build_stage(manifest: Manifest, stage: int) -> StageModel:
     """Build only stage `stage`'s parameters, deterministically from the manifest's seed."""
     if not 0 <= stage < manifest.num_stages:
-        raise ValueError(f"stage {stage} does not exist; the swarm has stages 0..{manifest.num_stages - 1}")
+        raise ManifestError(
+            f"stage {stage} does not exist; the swarm's manifest has stages 0..{manifest.num_stages - 1}: pick one "
+            "of those"
+        )
     return StageModel(
         manifest.model,
         manifest.stage_layers(stage),

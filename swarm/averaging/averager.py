@@ -33,8 +33,6 @@ from swarm.averaging.rules import (
     MAX_ROUND_CHANGE,
     PART_SIZE_BYTES,
     POLL_SECONDS,
-    AveragingError,
-    IncompleteRoundError,
     RoundTiming,
     averaging_compression,
     averaging_prefix,
@@ -43,6 +41,7 @@ from swarm.averaging.rules import (
     round_change,
     round_payload_bytes,
 )
+from swarm.errors import AveragingError, IncompleteRoundError
 from swarm.manifests.manifest import AveragingConfig, Manifest
 from swarm.trust.secret import SwarmSecret
 
@@ -56,9 +55,10 @@ class _Averager(DecentralizedAverager):
 
     def __init__(self, *args, swarm_secret: SwarmSecret | None = None, identical_results: bool = False, **kwargs):
         self.swarm_secret = swarm_secret  # set before the averager's process starts: it checks join requests
-        self.identical_results = identical_results  # every peer ends with the same mean (swarm/averaging/identical_allreduce.py)
-        # partners this peer caught sending bad values (swarm/averaging/robust_allreduce.py); lives in the averager's process,
-        # which tells the peer's process how many strikes and exclusions it gave through shared memory
+        # every peer ends with the same mean (swarm/averaging/identical_allreduce.py)
+        self.identical_results = identical_results
+        # partners this peer caught sending bad values (swarm/averaging/robust_allreduce.py); lives in the averager's
+        # process, which tells the peer's process how many strikes and exclusions it gave through shared memory
         self.exclusions = AveragingExclusions()
         self.shared_strikes = mp.Value("i", 0, lock=False)
         self.shared_exclusions = mp.Value("i", 0, lock=False)
@@ -90,9 +90,9 @@ class _Averager(DecentralizedAverager):
             yield response
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs) -> None:
-        # hivemind 1.1.12's method, with three changes: a robust all-reduce (swarm/averaging/robust_allreduce.py), in diloco
-        # mode one whose result is the same at every peer, and a round whose result is incomplete or poisoned fails
-        # instead of being applied (hivemind keeps this peer's own values for the parts whose reducer was too slow
+        # hivemind 1.1.12's method, with three changes: a robust all-reduce (swarm/averaging/robust_allreduce.py), in
+        # diloco mode one whose result is the same at every peer, and a round whose result is incomplete or poisoned
+        # fails instead of being applied (hivemind keeps this peer's own values for the parts whose reducer was too slow
         # or left, logs "received 72.6% results" and reports success: replicas then differ, and DiLoCo's anchors
         # would stay apart for good)
         group_id = group_info.group_id if group_id is None else group_id

@@ -16,8 +16,8 @@ hivemind decodes a received tensor by the codec its message names, from a table 
 add a type to its protocol, so this codec is registered in the table's slot of BLOCKWISE_8BIT, a codec that needs
 bitsandbytes, which Swarm never installs or uses. Importing `swarm` registers it (like swarm/trust/hivemind_limits.py,
 in this process, and so in the averager's, which is forked from it). A message that does not decode to what its
-header says (sizes, lengths) raises ValueError, which hivemind treats as a failed part: the round fails, the peer
-does not.
+header says (sizes, lengths) raises MalformedDataError (a ValueError too), which hivemind treats as a failed part:
+the round fails, the peer does not.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import torch
 from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.compression import serialization as hivemind_serialization
 from hivemind.proto import runtime_pb2
+
+from swarm.errors import AveragingError, MalformedDataError
 
 BINS = 16
 RANGE_IN_SIGMAS = 3.0  # the buckets cover the mean +- this many standard deviations (2.5-3 is best for Gaussians)
@@ -47,7 +49,7 @@ class Uniform4BitQuantization(CompressionBase):
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         if not torch.is_floating_point(tensor):
-            raise ValueError(f"4-bit quantization needs a floating-point tensor, not {tensor.dtype}")
+            raise AveragingError(f"4-bit quantization needs a floating-point tensor, not {tensor.dtype}")
         values = tensor.detach().float().flatten()
         spread = RANGE_IN_SIGMAS * (values.std() if values.numel() > 1 else values.abs().max())
         borders = values.mean() + spread * torch.linspace(-1, 1, BINS + 1)[1:-1]
@@ -72,9 +74,11 @@ class Uniform4BitQuantization(CompressionBase):
         numel = math.prod(shape)
         buffer = serialized_tensor.buffer
         if numel > MAX_ELEMENTS or serialized_tensor.dtype != "float32":
-            raise ValueError(f"a 4-bit part of {numel} {serialized_tensor.dtype} elements is not one of Swarm's")
+            raise MalformedDataError(
+                f"a 4-bit part of {numel} {serialized_tensor.dtype} elements is not one of Swarm's"
+            )
         if len(buffer) != encoded_bytes(numel) or int(np.frombuffer(buffer, np.int64, count=1)[0]) != BINS:
-            raise ValueError(
+            raise MalformedDataError(
                 f"a 4-bit part of {numel} elements must be {encoded_bytes(numel)} bytes, not {len(buffer)}"
             )
         codebook = torch.from_numpy(np.frombuffer(buffer, np.float32, count=BINS, offset=8).copy())

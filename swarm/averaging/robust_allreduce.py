@@ -4,8 +4,8 @@ In a butterfly all-reduce each peer reduces one part of the averaged vector: it 
 member and sends back the result. Two things can go wrong with a dishonest member, and both are handled here:
 
 - **as a sender**, it contributes a bad part: every reducer aggregates with CenteredClip instead of the mean
-  (swarm/averaging/robust_aggregation.py), which bounds what one contribution can do, and flags a contribution far from
-  the result;
+  (swarm/averaging/robust_aggregation.py), which bounds what one contribution can do, and flags a contribution far
+  from the result;
 - **as a reducer**, it sends back a bad result for its part: every peer compares each result it receives with its
   own part, against how far its own part was from the aggregates it computed itself; a result too far away fails
   the round at this peer (nothing is applied) and flags the reducer.
@@ -15,8 +15,8 @@ exclude it from this peer's rounds for FIRST_EXCLUSION seconds, twice as long ea
 peer leads does not admit it, and in a group someone else leads this peer's reducer leaves its contributions out
 (still measuring them, so that a repeat offender stays excluded). Leaving a peer out after its first strike was
 tried and dropped: one false flag then pulled the honest replicas apart, which made more flags
-(benchmarks/poisoning.py, docs/BENCHMARKS.md). Excluded
-peers are decided by each peer alone, from what it saw itself: nobody can get an honest peer excluded by saying so.
+(benchmarks/poisoning.py, docs/BENCHMARKS.md). Excluded peers are decided by each peer alone, from what it saw
+itself: nobody can get an honest peer excluded by saying so.
 
 Only hivemind 1.1.12's reducer accumulation and the containers' result registration change here; matchmaking,
 streaming, timeouts and the banning of senders that fail to send are hivemind's.

@@ -22,9 +22,8 @@ from hivemind.compression import (
 )
 
 from swarm.averaging import quantization
-from swarm.errors import SwarmError
 from swarm.manifests.manifest import Manifest
-from swarm.wire.protocol import unpack
+from swarm.wire.messages import unpack
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +39,6 @@ MAX_BACKOFF_DOUBLINGS = 2  # after rounds that found no group, wait up to 4x lon
 ALLREDUCE_SLACK = 4.0  # an all-reduce may take this many times the longest recent one
 ASSUMED_AVERAGING_MBITS = 5.0  # before a round was measured: the slowest uplink a stage's peers are assumed to have
 POLL_SECONDS = 0.05  # how often a round's progress is looked at (to time its matchmaking and all-reduce)
-
-
-class AveragingError(SwarmError):
-    """A round did not happen (no group formed, a peer left, a timeout) or its result was unusable."""
-
-
-class IncompleteRoundError(AveragingError):
-    """Part of a round's result never arrived (a peer of the group was too slow or left): it is not applied."""
 
 
 # ------------------------------------------------------------------------------------------- pure logic

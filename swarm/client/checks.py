@@ -7,9 +7,10 @@ plausible size but wrong) gives a different one. Both copies are ordinary traini
 tell a check from other work and behave only when watched (the check's cost: CHECK_FRACTION more microbatches).
 
 The loss shows wrong outputs; wrong gradients do not change it. So every hop before the last reports a fingerprint
-of the gradient its next hop sent back (gradient_fingerprint: a few random projections of it), on every train
-microbatch alike; when the two routes differ at stage s >= 1, the hop at stage s - 1 is the same peer on both,
-and it received stage s's gradients from two different replicas: their fingerprints must agree too.
+of the gradient its next hop sent back (gradient_fingerprint in swarm/wire/tensors.py: a few random projections of
+it), on every train microbatch alike; when the two routes differ at stage s >= 1, the hop at stage s - 1 is the
+same peer on both, and it received stage s's gradients from two different replicas: their fingerprints must agree
+too.
 
 One disagreement cannot tell which of two peers lied. A peer is convicted when it disagreed with
 CONVICTING_PARTNERS different peers, each of which agreed with some other peer in another check: with three or
@@ -25,8 +26,6 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 CHECK_FRACTION = 0.05  # of microbatches sent twice
 MIN_RELATIVE_GAP = 0.1  # losses further apart than this fraction of the larger one disagree
 MIN_ABSOLUTE_GAP = 0.05  # ... and further apart than this (nats): tiny losses differ relatively more
@@ -37,30 +36,8 @@ MIN_ABSOLUTE_GAP = 0.05  # ... and further apart than this (nats): tiny losses d
 MAX_PRINT_GAP = 1.0
 MIN_PAIR_CHECKS = 7  # gaps of a pair before it is judged on its gradients
 PAIR_CHECKS = 15
-PRINT_SIZE = 16  # numbers in a gradient's fingerprint (with fewer, the gap it estimates is noisier)
-PRINT_SEED = 17
 CONVICTING_PARTNERS = 2
 CONVICTION_BAN = 3600.0
-_projections: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def gradient_fingerprint(grad: torch.Tensor) -> list[float]:
-    """PRINT_SIZE random projections of a (batch, positions, features) gradient, summed over the batch: the
-    projections are rank one (u_k over positions times v_k over features), so a fingerprint costs one pass over
-    the gradient and memory for (positions + features) x PRINT_SIZE numbers. The same on every peer (fixed seed)."""
-    if grad.dim() != 3 or not grad.is_floating_point():
-        return []
-    _, positions, features = grad.shape
-    key = (positions, features, str(grad.device))
-    if key not in _projections:
-        generator = torch.Generator().manual_seed(PRINT_SEED)
-        u = torch.randn(positions, PRINT_SIZE, generator=generator)
-        v = torch.randn(features, PRINT_SIZE, generator=generator)
-        _projections.clear()  # one shape at a time is the usual case: do not grow
-        _projections[key] = (u.to(grad.device), v.to(grad.device))
-    u, v = _projections[key]
-    summed = grad.detach().float().sum(dim=0)  # (positions, features)
-    return [float(x) for x in ((summed @ v) * u).sum(dim=0).cpu()]
 
 
 def fingerprint_gap(first: Sequence[float], second: Sequence[float]) -> float | None:
@@ -92,7 +69,7 @@ class CheckPlan:
 
 
 def gradient_prints(plan: CheckPlan, hops: Sequence, other_hops: Sequence) -> tuple[Sequence[float], Sequence[float]]:
-    """The fingerprints to compare for a check (`hops`: protocol.HopTiming of each route, stage 0 first): those of
+    """The fingerprints to compare for a check (`hops`: swarm.wire.hops.HopTiming of each route, stage 0 first): those of
     the gradient the checked stage sent back to the hop before it, when both routes ran as planned up to there."""
     s = plan.stage
     if s == 0 or len(hops) <= s or len(other_hops) <= s:

@@ -26,16 +26,15 @@ from hivemind.utils import get_dht_time
 
 from swarm import PROTOCOL_VERSION, __version__
 from swarm.architectures.model import build_full_model
-from swarm.client.rpc import download_state
-from swarm.dataset import tokenizer_source
+from swarm.client.rpc import download_state, swarm_tokenizer
 from swarm.dataset.tokenizer import Tokenizer
-from swarm.dht import joining
+from swarm.dht import joining, node
 from swarm.dht.records import Announcement, PeerState, fetch_announcements
-from swarm.errors import SwarmError
+from swarm.errors import ExportError
 from swarm.files import atomic_write
 from swarm.manifests.manifest import Manifest
 from swarm.routing import online_peers
-from swarm.server.stage_state import stage_parameter_shapes, stage_state_shapes
+from swarm.wire.state import stage_parameter_shapes, stage_state_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +43,6 @@ DEFAULT_TIMEOUT = 120.0
 DISCOVERY_WAIT = 10.0  # seconds to wait for every stage to have an online peer before giving up
 SOURCES_PER_STAGE = 3  # online peers of a stage tried, fastest first, before giving up on it
 PARALLEL_DOWNLOADS = 4  # stages downloaded at once (each holds its state in memory)
-
-
-class ExportError(SwarmError):
-    """The swarm's model could not be exported (no online peer for a stage, failed downloads, bad output path)."""
 
 
 # ------------------------------------------------------------------------------ names and assembly (pure)
@@ -338,7 +333,7 @@ async def export_swarm(
     p2p = await asyncio.wait_for(dht.replicate_p2p(), max(0.1, remaining(deadline)))
     try:
         manifest = await joining.manifest_through_peer(p2p, join, manifest)
-        joining.sign_records(dht, manifest, None)  # it reads records, writes none: only signed ones count
+        node.sign_records(dht, manifest, None)  # it reads records, writes none: only signed ones count
         on_manifest(manifest)
         for stage in range(manifest.num_stages):
             on_status(stage, "looking for online peers", False)
@@ -377,7 +372,7 @@ async def export_swarm(
         if with_tokenizer:
             peer_ids = [peer.peer_id for peers in sources for peer in peers[:SOURCES_PER_STAGE]]
             timeout = max(1.0, remaining(deadline))
-            tokenizer = await tokenizer_source.swarm_tokenizer(p2p, manifest, peer_ids, timeout)
+            tokenizer = await swarm_tokenizer(p2p, manifest, peer_ids, timeout)
         return manifest, tensors, [source for _, source in results], tokenizer
     finally:
         try:

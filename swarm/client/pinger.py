@@ -17,7 +17,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarm.client.rpc import ping
-from swarm.dht.records import SwarmView
+from swarm.dht.announcement_cache import AnnouncementCache
 from swarm.manifests.manifest import Manifest
 from swarm.network.coordinates import Coordinate, Vivaldi
 from swarm.routing import online_peers
@@ -29,7 +29,7 @@ PING_TIMEOUT = 5.0
 
 
 class Pinger:
-    def __init__(self, manifest: Manifest, p2p: P2P, view: SwarmView, peer_id: str, position: Vivaldi):
+    def __init__(self, manifest: Manifest, p2p: P2P, view: AnnouncementCache, peer_id: str, position: Vivaldi):
         self.manifest, self.p2p, self.view, self.peer_id, self.position = manifest, p2p, view, peer_id, position
         self.rng = random.Random()
         self.pings = 0

@@ -10,30 +10,20 @@ a failed backward can be recomputed on another peer, and bans peers that fail. I
 from __future__ import annotations
 
 import asyncio
-import collections
-import logging
-import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
-from hivemind.proto import runtime_pb2
-from hivemind.utils import get_dht_time
 
-from swarm.dht.records import SwarmView
+from swarm.client.pipeline import NO_PEER_WAIT, TrainerParts
 from swarm.errors import MicrobatchFailedError, RemoteStageError
-from swarm.manifests.manifest import Manifest
-from swarm.routing import Router, online_peers
-from swarm.server.forwarding import check_reply
-from swarm.wire import protocol
+from swarm.wire.codes import ErrorCode
+from swarm.wire.hops import check_reply
+from swarm.wire.messages import make_request
 
-logger = logging.getLogger(__name__)
-
-NO_PEER_WAIT = 0.5  # seconds to wait when every peer of a stage failed once, before trying them again
-
-Send = Callable[[str, str, runtime_pb2.ExpertRequest, float], Awaitable[runtime_pb2.ExpertResponse]]
+# codes of a relayed call's error reply that are no fault of the peer (it has moved, or is busy): no ban
+RELAY_BLAMELESS = (ErrorCode.BUSY, ErrorCode.WRONG_STAGE, ErrorCode.OVERFLOW)
 
 
 @dataclass
@@ -43,26 +33,11 @@ class _Hop:
 
 
 class RelayedPipeline:
-    """Runs microbatches through the stages one call at a time, for a Trainer (which owns what is passed in)."""
+    """Runs microbatches through the stages one call at a time, for a Trainer (whose parts it uses)."""
 
-    def __init__(
-        self,
-        manifest: Manifest,
-        router: Router,
-        view: SwarmView,
-        rng: random.Random,
-        send: Send,
-        ban: Callable[[str, str], None],
-        proof: str | None,
-        unserved_stages: set[int],
-        served: collections.Counter[str],
-    ):
-        self.manifest = manifest
-        self.router, self.view, self.rng = router, view, rng
-        self.send, self.ban, self.proof = send, ban, proof
-        self.max_elements = protocol.max_request_elements(manifest)
-        self.unserved_stages = unserved_stages  # the trainer's: stages with no online peer at the last look
-        self.served = served  # the trainer's: samples each stage peer trained for it
+    def __init__(self, parts: TrainerParts):
+        self.parts, self.manifest = parts, parts.manifest
+        self.max_elements = parts.max_elements
 
     async def microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         microbatch_id = uuid.uuid4().hex
@@ -87,11 +62,11 @@ class RelayedPipeline:
             loss, grad = float(outputs[0]), outputs[-1]
             for stage in reversed(range(last)):
                 grad = await self._backward(stage, hops[stage], microbatch_id, grad, hidden, deadline)
-                self.router.finished(hops.pop().peer_id, samples)
-            self.served.update(dict.fromkeys([*done_by, last_peer], samples))
+                self.parts.router.finished(hops.pop().peer_id, samples)
+            self.parts.served.update(dict.fromkeys([*done_by, last_peer], samples))
         finally:
             for hop in hops:
-                self.router.finished(hop.peer_id, samples)
+                self.parts.router.finished(hop.peer_id, samples)
         return loss, samples
 
     async def _backward(
@@ -103,15 +78,15 @@ class RelayedPipeline:
             # the peer that ran forward still holds the activations: send only the gradient
             outputs = await self._call_peer(stage, hop.peer_id, "backward", microbatch_id, [grad], expect, deadline)
         except RemoteStageError as e:
-            if e.code not in ("unknown_microbatch", "busy", "wrong_stage", "overflow"):
-                self.ban(hop.peer_id, f"backward on stage {stage}: {e}")
+            if e.code not in (ErrorCode.UNKNOWN_MICROBATCH, *RELAY_BLAMELESS):
+                self.parts.ban(hop.peer_id, f"backward on stage {stage}: {e}")
             # the peer lost the activations (or is busy): let it, or another peer, recompute from the inputs
-            prefer = hop.peer_id if e.code in ("unknown_microbatch", "busy") else None
+            prefer = hop.peer_id if e.code in (ErrorCode.UNKNOWN_MICROBATCH, ErrorCode.BUSY) else None
             _, outputs = await self.call(
                 stage, "backward", microbatch_id, [grad, hop.inputs], expect, deadline, prefer=prefer
             )
         except Exception as e:  # timeout or connection failure: the peer may still be working on it
-            self.ban(hop.peer_id, f"backward on stage {stage} failed: {type(e).__name__}: {e}")
+            self.parts.ban(hop.peer_id, f"backward on stage {stage} failed: {type(e).__name__}: {e}")
             _, outputs = await self.call(stage, "backward", microbatch_id, [grad, hop.inputs], expect, deadline)
         return outputs[0] if expect else None
 
@@ -155,27 +130,27 @@ class RelayedPipeline:
                 await asyncio.sleep(NO_PEER_WAIT)
                 continue
             tried.add(peer_id)
-            self.router.started(peer_id, samples)
+            self.parts.router.started(peer_id, samples)
             succeeded = False
             try:
                 begin = time.monotonic()
                 outputs = await self._call_peer(stage, peer_id, kind, microbatch_id, tensors, expect, deadline, train)
                 succeeded = True
                 if kind == "forward":
-                    self.router.observed(peer_id, samples, time.monotonic() - begin)
+                    self.parts.router.observed(peer_id, samples, time.monotonic() - begin)
                 return peer_id, outputs
             except RemoteStageError as e:
                 last_error = e
-                if e.code not in ("busy", "wrong_stage", "overflow"):  # a peer that moved did nothing wrong
-                    self.ban(peer_id, f"{kind} on stage {stage}: {e}")
+                if e.code not in RELAY_BLAMELESS:  # a peer that moved did nothing wrong
+                    self.parts.ban(peer_id, f"{kind} on stage {stage}: {e}")
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # timeouts, connection errors
                 last_error = e
-                self.ban(peer_id, f"{kind} on stage {stage} failed: {type(e).__name__}: {e}")
+                self.parts.ban(peer_id, f"{kind} on stage {stage} failed: {type(e).__name__}: {e}")
             finally:
                 if not (succeeded and hold):
-                    self.router.finished(peer_id, samples)
+                    self.parts.router.finished(peer_id, samples)
         raise MicrobatchFailedError(
             f"stage {stage} {kind} did not succeed before the deadline (last error: {last_error!r})"
         )
@@ -196,20 +171,15 @@ class RelayedPipeline:
         timeout = min(
             timeouts.forward if kind == "forward" else timeouts.backward, max(deadline - time.monotonic(), 0.1)
         )
-        request = protocol.make_request(self.manifest, stage, microbatch_id, tensors, train=train, proof=self.proof)
-        return check_reply(await self.send(peer_id, kind, request, timeout), expect, self.max_elements)
+        request = make_request(self.manifest, stage, microbatch_id, tensors, train=train, proof=self.parts.proof)
+        return check_reply(await self.parts.send(peer_id, kind, request, timeout), expect, self.max_elements)
 
     async def _pick(self, stage: int, tried: set[str], samples: int) -> str | None:
-        online = online_peers(await self.view.stage(stage), get_dht_time())
-        chosen = self.router.choose(online, samples, time.monotonic(), self.rng, exclude=tried)
+        parts = self.parts
+        online = await parts.online(stage)
+        chosen = parts.router.choose(online, samples, time.monotonic(), parts.rng, exclude=tried)
         if chosen is None:  # peers may have joined since the last look
-            online = online_peers(await self.view.stage(stage, force=True), get_dht_time())
-            chosen = self.router.choose(online, samples, time.monotonic(), self.rng, exclude=tried)
-            if online:
-                self.unserved_stages.discard(stage)
-            elif stage not in self.unserved_stages:
-                self.unserved_stages.add(stage)
-                logger.warning(f"no online peer serves stage {stage}; waiting for one to join")
-        else:
-            self.unserved_stages.discard(stage)
+            online = await parts.online(stage, force=True)
+            chosen = parts.router.choose(online, samples, time.monotonic(), parts.rng, exclude=tried)
+        parts.note_online(stage, bool(online))
         return None if chosen is None else chosen.peer_id

@@ -1,5 +1,6 @@
-"""Calls to other peers: stage calls (forward, backward), the bandwidth probe, a stage's state download, and the
-manifest from a peer. Every reply is checked before use; failures raise RemoteStageError or SwarmError."""
+"""Calls to other peers: stage calls (forward, backward, train), the bandwidth probe and ping, a stage's state
+download, the manifest from a peer, and the swarm's tokenizer from its peers. The calls go through the stubs of
+swarm/wire/rpc.py; every reply is checked before use; failures raise RemoteStageError or SwarmError."""
 
 from __future__ import annotations
 
@@ -7,20 +8,32 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Sequence
 from typing import AsyncIterator  # noqa: UP035 (hivemind detects streams by typing.AsyncIterator only)
 
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
-from swarm.dataset.tokenizer_source import CHUNK_BYTES
-from swarm.errors import ManifestError, RemoteStageError, SwarmError
+from swarm.dataset.tokenizer import Tokenizer, load_tokenizer
+from swarm.dataset.tokenizer_source import MAX_TOKENIZER_BYTES, cache_folder, local_tokenizer, store
+from swarm.errors import ManifestError, RemoteStageError, SwarmError, TokenizerError
 from swarm.manifests.loading import MAX_MANIFEST_BYTES
-from swarm.manifests.manifest import Manifest, parse_manifest
-from swarm.server.service import NAMESPACE, StageService
-from swarm.server.stage_state import STATE_COUNTERS
+from swarm.manifests.manifest import Manifest
+from swarm.manifests.validation import parse_manifest
 from swarm.throughput import PROBE_BYTES, measure_bandwidth
-from swarm.wire import protocol
+from swarm.wire.codes import ErrorCode
+from swarm.wire.messages import (
+    combine_message,
+    decode_reply,
+    make_control_request,
+    needs_stream,
+    split_message,
+    unpack,
+)
+from swarm.wire.rpc import TOKENIZER_CHUNK_BYTES, StageRPC
+from swarm.wire.state import STATE_COUNTERS
+from swarm.wire.tensors import encode_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -34,21 +47,21 @@ async def call_stage(
     reply_elements: int,
 ) -> runtime_pb2.ExpertResponse:
     """Send one forward or backward request to a stage peer: unary when it fits, by stream otherwise."""
-    stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
-    if not protocol.needs_stream(request.ByteSize(), reply_elements):
+    stub = StageRPC.stub(p2p, peer_id)
+    if not needs_stream(request.ByteSize(), reply_elements):
         return await getattr(stub, f"rpc_{kind}")(request, timeout=timeout)
 
     async def exchange() -> runtime_pb2.ExpertResponse:
         async def parts():
-            for part in protocol.split_message(request):
+            for part in split_message(request):
                 yield part
 
         replies = await getattr(stub, f"rpc_{kind}_stream")(parts())
         # a reply holds at most the loss and one activation-sized tensor
-        reply = await protocol.combine_message(replies, runtime_pb2.ExpertResponse, reply_elements * 4 + 4096)
+        reply = await combine_message(replies, runtime_pb2.ExpertResponse, reply_elements * 4 + 4096)
         if not reply.metadata:  # every reply has metadata: the stream ended without one
             raise RemoteStageError(
-                "the peer ended the stream without a reply (it may have refused the call)", "internal"
+                "the peer ended the stream without a reply (it may have refused the call)", ErrorCode.INTERNAL
             )
         return reply
 
@@ -57,50 +70,76 @@ async def call_stage(
 
 async def fetch_manifest(p2p: P2P, peer_id: str, timeout: float) -> str:
     """The manifest (JSON text, not yet validated) of the swarm that `peer_id` serves."""
-    stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+    stub = StageRPC.stub(p2p, peer_id)
     reply = await asyncio.wait_for(stub.rpc_manifest(runtime_pb2.ExpertRequest(), timeout=timeout), timeout)
     try:
-        metadata = protocol.unpack(reply.metadata) if len(reply.metadata) < MAX_MANIFEST_BYTES else None
+        metadata = unpack(reply.metadata) if len(reply.metadata) < MAX_MANIFEST_BYTES else None
     except ValueError:
         metadata = None
     if isinstance(metadata, dict) and isinstance(metadata.get("error"), str):
-        raise RemoteStageError(metadata["error"][:500], "bad_request")
+        raise RemoteStageError(metadata["error"][:500], ErrorCode.BAD_REQUEST)
     text = metadata.get("manifest") if isinstance(metadata, dict) else None
     if not isinstance(text, str):
-        raise RemoteStageError("the peer's reply holds no manifest", "internal")
+        raise RemoteStageError("the peer's reply holds no manifest", ErrorCode.INTERNAL)
     return text
 
 
 async def fetch_tokenizer(p2p: P2P, peer_id: str, manifest: Manifest, max_bytes: int, timeout: float) -> bytes:
     """The swarm's tokenizer file as `peer_id` holds it (not yet checked against the manifest's hash), in chunks."""
-    stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+    stub = StageRPC.stub(p2p, peer_id)
     proof = manifest.proof(str(p2p.peer_id))
     body = bytearray()
     expected_total: int | None = None
     deadline = time.monotonic() + timeout
     while True:
-        request = protocol.make_control_request(manifest, proof, offset=len(body))
+        request = make_control_request(manifest, proof, offset=len(body))
         left = deadline - time.monotonic()
         if left <= 0:  # a peer that sends tiny chunks fast cannot keep this loop going
             raise TimeoutError(f"the tokenizer did not arrive within {timeout:g} s ({len(body)} bytes so far)")
         reply = await asyncio.wait_for(stub.rpc_tokenizer(request, timeout=left), left)
-        metadata = protocol.unpack(reply.metadata) if reply.metadata else {}
+        metadata = unpack(reply.metadata) if reply.metadata else {}
         if not isinstance(metadata, dict):
-            raise RemoteStageError("the peer sent an unreadable reply", "internal")
+            raise RemoteStageError("the peer sent an unreadable reply", ErrorCode.INTERNAL)
         if "error" in metadata:
-            raise RemoteStageError(str(metadata["error"])[:500], "bad_request")
+            raise RemoteStageError(str(metadata["error"])[:500], ErrorCode.BAD_REQUEST)
         chunk, total = metadata.get("data"), metadata.get("total")
         if not isinstance(chunk, bytes) or not isinstance(total, int) or not 0 < total <= max_bytes:
-            raise RemoteStageError("the peer's reply holds no tokenizer chunk", "internal")
+            raise RemoteStageError("the peer's reply holds no tokenizer chunk", ErrorCode.INTERNAL)
         expected_total = total if expected_total is None else expected_total
         last = len(body) + len(chunk) >= total
-        if total != expected_total or (not last and len(chunk) != CHUNK_BYTES):
-            raise RemoteStageError("the peer's tokenizer chunks do not add up", "internal")
+        if total != expected_total or (not last and len(chunk) != TOKENIZER_CHUNK_BYTES):
+            raise RemoteStageError("the peer's tokenizer chunks do not add up", ErrorCode.INTERNAL)
         body += chunk
         if last:
             if len(body) != total:
-                raise RemoteStageError(f"the peer sent {len(body)} bytes of a {total}-byte tokenizer", "internal")
+                raise RemoteStageError(
+                    f"the peer sent {len(body)} bytes of a {total}-byte tokenizer", ErrorCode.INTERNAL
+                )
             return bytes(body)
+
+
+async def tokenizer_from_peers(p2p, manifest: Manifest, peer_ids: Sequence[str], timeout: float = 60.0) -> Tokenizer:
+    """The swarm's tokenizer from the first of `peer_ids` that hands out a copy with the pinned hash (kept in this
+    machine's cache: swarm/dataset/tokenizer_source.py)."""
+    failures = []
+    for peer_id in peer_ids:
+        try:
+            body = await fetch_tokenizer(p2p, peer_id, manifest, MAX_TOKENIZER_BYTES, timeout)
+            return load_tokenizer(store(body, manifest.data.tokenizer_sha256))
+        except Exception as e:  # refused, gone, too slow, or a wrong file: ask the next peer
+            failures.append(f"{peer_id[-8:]}: {str(e)[:200]}")
+    raise TokenizerError(
+        f"no copy of the swarm's tokenizer {manifest.data.tokenizer!r} (sha256 {manifest.data.tokenizer_sha256[:16]}"
+        f"...): it is neither next to the manifest nor in {cache_folder()}, and "
+        + (f"no peer handed it out ({'; '.join(failures[:3])})" if failures else "no peer was found to ask")
+        + ". Put the swarm's tokenizer.json next to the manifest."
+    )
+
+
+async def swarm_tokenizer(p2p, manifest: Manifest, peer_ids: Sequence[str], timeout: float = 60.0) -> Tokenizer:
+    """The swarm's tokenizer: from this machine or next to the manifest, else from the first of `peer_ids`."""
+    local = local_tokenizer(manifest)
+    return local if local is not None else await tokenizer_from_peers(p2p, manifest, peer_ids, timeout)
 
 
 async def manifest_from_peer(p2p: P2P, maddr: str) -> Manifest:
@@ -120,23 +159,23 @@ async def manifest_from_peer(p2p: P2P, maddr: str) -> Manifest:
 
 async def probe_bandwidth(p2p: P2P, peer_id: str, manifest: Manifest, timeout: float = 20.0) -> tuple[float, float]:
     """(download, upload) bytes per second between this peer and `peer_id`, measured with probe calls."""
-    stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+    stub = StageRPC.stub(p2p, peer_id)
 
     async def exchange(upload_bytes: int, download_bytes: int) -> None:
-        request = protocol.make_control_request(manifest, manifest.proof(str(p2p.peer_id)), reply_bytes=download_bytes)
+        request = make_control_request(manifest, manifest.proof(str(p2p.peer_id)), reply_bytes=download_bytes)
         if upload_bytes:
-            request.tensors.append(protocol.encode_tensor(torch.zeros(upload_bytes // 4)))
-        protocol.decode_reply(await stub.rpc_probe(request, timeout=timeout), PROBE_BYTES // 4)
+            request.tensors.append(encode_tensor(torch.zeros(upload_bytes // 4)))
+        decode_reply(await stub.rpc_probe(request, timeout=timeout), PROBE_BYTES // 4)
 
     return await asyncio.wait_for(measure_bandwidth(exchange), timeout=4 * timeout)
 
 
 async def ping(p2p: P2P, peer_id: str, manifest: Manifest, timeout: float = 5.0) -> float:
     """The round trip to `peer_id` in seconds: an empty bandwidth probe (its reply carries no payload)."""
-    stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
-    request = protocol.make_control_request(manifest, manifest.proof(str(p2p.peer_id)), reply_bytes=0)
+    stub = StageRPC.stub(p2p, peer_id)
+    request = make_control_request(manifest, manifest.proof(str(p2p.peer_id)), reply_bytes=0)
     begin = time.monotonic()
-    protocol.decode_reply(await stub.rpc_probe(request, timeout=timeout), 1)
+    decode_reply(await stub.rpc_probe(request, timeout=timeout), 1)
     return time.monotonic() - begin
 
 
@@ -147,24 +186,24 @@ async def download_state(
     p2p: P2P, peer_id: str, manifest: Manifest, stage: int, shapes: dict[str, tuple[int, ...]], timeout: float
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
     """Fetch the state of `stage` from `peer_id`: named tensors (not yet checked against the model, see
-    StageServer.load_state; `shapes` are the names it may hold, from swarm.server.stage_state) and its counters
+    StageServer.load_state; `shapes` are the names it may hold, from swarm.wire.state) and its counters
     (optimizer_steps, averaging_round). Raises RemoteStageError on a refusal or a malformed reply."""
     max_bytes = sum(4 * math.prod(shape) for shape in shapes.values()) + 64 * len(shapes) + 65536
-    stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
-    request = protocol.make_control_request(manifest, manifest.proof(str(p2p.peer_id)), stage=stage)
+    stub = StageRPC.stub(p2p, peer_id)
+    request = make_control_request(manifest, manifest.proof(str(p2p.peer_id)), stage=stage)
 
     async def one_request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
         yield request
 
     async def fetch() -> runtime_pb2.ExpertResponse:
         parts = await stub.rpc_download_state(one_request())
-        return await protocol.combine_message(parts, runtime_pb2.ExpertResponse, max_bytes, max_tensors=len(shapes))
+        return await combine_message(parts, runtime_pb2.ExpertResponse, max_bytes, max_tensors=len(shapes))
 
     largest = max(math.prod(shape) for shape in shapes.values())
     for attempt in range(1, TRUNCATED_STATE_ATTEMPTS + 1):
         reply = await asyncio.wait_for(fetch(), timeout=timeout)
-        tensors = protocol.decode_reply(reply, max(largest, 1))  # raises RemoteStageError for an error reply
-        metadata = protocol.unpack(reply.metadata)  # decode_reply read it already: it is a dict
+        tensors = decode_reply(reply, max(largest, 1))  # raises RemoteStageError for an error reply
+        metadata = unpack(reply.metadata)  # decode_reply read it already: it is a dict
         names = metadata.get("names")
         # a hivemind stream that breaks ends like one that is complete: fewer tensors than names means cut short
         if isinstance(names, list) and len(names) > len(tensors) and attempt < TRUNCATED_STATE_ATTEMPTS:
@@ -172,11 +211,11 @@ async def download_state(
             continue
         break
     if not isinstance(names, list) or len(names) != len(tensors) or not all(isinstance(n, str) for n in names):
-        raise RemoteStageError("the state's names do not match its tensors", "internal")
+        raise RemoteStageError("the state's names do not match its tensors", ErrorCode.INTERNAL)
     counters = {}
     for key in STATE_COUNTERS:
         value = metadata.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 2**53:
-            raise RemoteStageError(f"the state's {key} is not a count", "internal")
+            raise RemoteStageError(f"the state's {key} is not a count", ErrorCode.INTERNAL)
         counters[key] = value
     return list(zip(names, tensors)), counters

@@ -1,10 +1,12 @@
 """Trainer: reads its data shard, pushes microbatches through one peer per stage and back.
 
-The choice of a peer per stage is swarm/routing.py's (by the trainer's own observations); this module sends the
-calls (swarm/client/rpc.py, or this peer's own server directly; the relay pipeline's are in
-swarm/client/relay.py), retries and bans, and reports progress (TrainerStats, and a report in the DHT). Nothing
-waits forever: every call has a timeout and every microbatch a deadline. The rules: docs/ARCHITECTURE.md,
-"Trainer".
+The choice of a peer per stage is swarm/routing.py's (by the trainer's own observations); the microbatches go
+through one of two pipelines (swarm/client/forwarded.py, the stages pass them on; swarm/client/relay.py, the
+trainer carries them), which share the trainer's parts (swarm/client/pipeline.py). This module keeps as many
+microbatches in flight as its window allows (swarm/client/window.py), sends the calls (swarm/client/rpc.py, or
+this peer's own server directly), bans peers that fail, and reports progress (TrainerStats, and a report in the
+DHT). Nothing waits forever: every call has a timeout and every microbatch a deadline. The rules:
+docs/ARCHITECTURE.md, "Trainer".
 """
 
 from __future__ import annotations
@@ -14,36 +16,34 @@ import collections
 import logging
 import random
 import time
-import uuid
 
 import numpy as np
 import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
-from hivemind.utils import get_dht_time
 
-from swarm.client.checks import CHECK_FRACTION, CONVICTION_BAN, CheckPlan, WorkChecks, gradient_prints
-from swarm.client.relay import NO_PEER_WAIT, RelayedPipeline
+from swarm.client.checks import CHECK_FRACTION, WorkChecks
+from swarm.client.forwarded import ForwardedPipeline
+from swarm.client.pipeline import LocalStage, TrainerParts
+from swarm.client.relay import RelayedPipeline
 from swarm.client.rpc import call_stage
 from swarm.client.window import AdaptiveWindow
 from swarm.dataset.shards import TrainingStream, sample_batch
+from swarm.dht.announcement_cache import AnnouncementCache
 from swarm.dht.records import (
     MAX_ATTESTED_PEERS,
-    SwarmView,
     TrainerReport,
     announceable,
     announcement_lifetime,
     store_trainer_report,
 )
-from swarm.errors import MicrobatchFailedError, RemoteStageError
+from swarm.errors import MicrobatchFailedError
 from swarm.manifests.manifest import Manifest
 from swarm.network.coordinates import Vivaldi
-from swarm.routing import ORIGIN, Router, online_peers
-from swarm.server.forwarding import BLAMELESS, MIN_BUDGET, check_reply, grace, onward_budget
-from swarm.server.stage import StageServer
+from swarm.routing import Router
 from swarm.watch.stats import Traffic, TrainerStats
-from swarm.wire import protocol
+from swarm.wire.validation import max_request_elements
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +58,13 @@ class Trainer:
         p2p: P2P,
         peer_id: str,
         seed: int | None = None,
-        local_server: StageServer | None = None,
-        view: SwarmView | None = None,
+        local_server: LocalStage | None = None,
+        view: AnnouncementCache | None = None,
         traffic: Traffic | None = None,
         reachable: bool = True,
         position: Vivaldi | None = None,
         check_fraction: float = CHECK_FRACTION,
+        router: Router | None = None,
     ):
         self.manifest = manifest
         self.reachable = reachable  # others can dial it: its reports carry its addresses
@@ -73,37 +74,28 @@ class Trainer:
         # a private swarm's peers serve only its members (tests may leave p2p out)
         self.proof = manifest.proof(str(p2p.peer_id)) if p2p is not None else None
         # a peer shares one view between its trainer and its rebalancer: one DHT refresh per announce period
-        self.view = view or SwarmView(
+        self.view = view or AnnouncementCache(
             dht, manifest.swarm_id, manifest.num_stages, max_age=manifest.network.announce_period
         )
         self.rng = random.Random(seed)
-        self.max_elements = protocol.max_request_elements(manifest)
+        self.max_elements = max_request_elements(manifest)
         adaptive = manifest.training.adaptive_window and manifest.training.pipeline == "forward"
         self.window = AdaptiveWindow(  # microbatches in flight
             manifest.training.max_in_flight, adaptive, stages=manifest.num_stages
         )
-        self.router = Router(network_aware=manifest.training.routing == "network_aware")
-        self.position = position  # this peer's network coordinate (client/pinger.py keeps it), for route estimates
-        self.unserved_stages: set[int] = set()  # stages with no online peer at the last look
+        self.router = router or Router(network_aware=manifest.training.routing == "network_aware")
         self.samples = 0
         self.microbatches = 0
         self.failed_microbatches = 0
         self.bytes_sent = 0  # activations, gradients and tokens sent to stage peers (not counting local calls)
         self.bytes_received = 0
         self.recent: collections.deque[tuple[float, float, int]] = collections.deque()  # (time, loss, samples)
-        self.served: collections.Counter[str] = collections.Counter()  # samples each stage peer trained for us
         self.checks = WorkChecks(check_fraction)  # microbatches sent twice to find peers that compute wrong results
-        self.relay = RelayedPipeline(
-            manifest,
-            self.router,
-            self.view,
-            self.rng,
-            self._send,
-            self._ban,
-            self.proof,
-            self.unserved_stages,
-            self.served,
-        )
+        self.parts = TrainerParts(manifest, self.router, self.view, self.rng, self._send, self._ban, self.proof)
+        self.unserved_stages = self.parts.unserved_stages  # stages with no online peer at the last look
+        self.served = self.parts.served  # samples each stage peer trained for this trainer
+        self.forwarded = ForwardedPipeline(self.parts, self.window, self.checks, position, self._count_checked)
+        self.relay = RelayedPipeline(self.parts)
 
     # ------------------------------------------------------------------------------------------- training
 
@@ -153,175 +145,12 @@ class Trainer:
 
     async def _train_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         if self.manifest.training.pipeline == "forward":
-            return await self._forwarded_microbatch(inputs, targets)
+            return await self.forwarded.microbatch(inputs, targets)
         return await self.relay.microbatch(inputs, targets)
 
-    # ------------------------------------------------------------------ forwarded: stage to stage
-
-    async def _forwarded_microbatch(
-        self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True, timeout: float | None = None
-    ) -> tuple[float, int]:
-        """Send the microbatch to stage 0 with a route; the stages pass it on and back (server/forwarding.py).
-        If stage 0's peer fails, the microbatch starts again elsewhere, under the same id (so a stage that applied
-        its gradient already refuses it: nothing is applied twice)."""
-        microbatch_id = uuid.uuid4().hex
-        timeouts = self.manifest.training.timeouts
-        deadline = time.monotonic() + (timeout if timeout is not None else timeouts.microbatch)
-        stages = self.manifest.num_stages
-        samples = inputs.shape[0]
-        tried: set[str] = set()
-        last_error: Exception | None = None
-        while True:
-            remaining = deadline - time.monotonic()
-            budget = onward_budget(remaining, 0.0, stages, timeouts.forward + timeouts.backward)
-            if budget < MIN_BUDGET:
-                raise MicrobatchFailedError(
-                    f"the microbatch did not finish before its deadline (last error: {last_error!r})"
-                )
-            route = await self._route(samples, tried)
-            if not route:
-                tried.clear()
-                await asyncio.sleep(NO_PEER_WAIT)
-                continue
-            plan = self.checks.plan(route, await self._online_ids(), self.rng) if train else None
-            if plan is not None:  # a checked microbatch goes through the check's pair of replicas
-                route = list(plan.route)
-            tried.add(route[0])
-            request = protocol.make_request(
-                self.manifest,
-                0,
-                microbatch_id,
-                [inputs, targets],
-                train=train,
-                proof=self.proof,
-                route=route[1:],
-                budget=budget,
-            )
-            for peer_id in route:
-                self.router.started(peer_id, samples)
-            check = asyncio.create_task(self._check_copy(plan, inputs, targets, budget)) if plan else None
-            begin = time.monotonic()
-            try:
-                reply = await self._send(route[0], "train", request, budget + grace(budget))
-                (loss,) = check_reply(reply, [()], self.max_elements)
-                took = time.monotonic() - begin
-                hops = protocol.decode_hops(reply, stages)
-                self._learn(hops, took, samples)
-                if train:
-                    self.window.observe(took, time.monotonic())
-                    self._attest(route[0], hops, samples)
-                if check is not None and plan is not None:
-                    other, check = await check, None
-                    if other is not None:
-                        self._judge(plan, float(loss), hops, *other)
-                return float(loss), samples
-            except RemoteStageError as e:
-                last_error = e
-                if e.code == "duplicate":  # an earlier attempt is still in progress there: its reply will be
-                    tried.discard(route[0])  # replayed once it is done (nothing is applied twice)
-                    await asyncio.sleep(NO_PEER_WAIT)
-                if e.code not in BLAMELESS:
-                    self._ban(route[0], f"train on stage 0: {e}")
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # timeouts, connection errors
-                last_error = e
-                self._ban(route[0], f"train on stage 0 failed: {type(e).__name__}: {e}")
-            finally:
-                for peer_id in route:
-                    self.router.finished(peer_id, samples)
-                if check is not None:  # the microbatch failed: its check means nothing
-                    check.cancel()
-
-    async def _online_ids(self) -> list[list[str]]:
-        now = get_dht_time()
-        return [[a.peer_id for a in online_peers(anns, now)] for anns in await self.view.all_stages()]
-
-    async def _check_copy(
-        self, plan: CheckPlan, inputs: torch.Tensor, targets: torch.Tensor, budget: float
-    ) -> tuple[float, list[protocol.HopTiming]] | None:
-        """The check's copy of a microbatch, an ordinary training microbatch through the other route; its loss and
-        hops, or None if it failed (a failure says nothing of honesty: the usual bans handle it)."""
-        request = protocol.make_request(
-            self.manifest,
-            0,
-            uuid.uuid4().hex,
-            [inputs, targets],
-            train=True,
-            proof=self.proof,
-            route=list(plan.other_route[1:]),
-            budget=budget,
-        )
-        try:
-            reply = await self._send(plan.other_route[0], "train", request, budget + grace(budget))
-            (loss,) = check_reply(reply, [()], self.max_elements)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.debug(f"a check's copy failed: {e!r}")
-            return None
-        hops = protocol.decode_hops(reply, self.manifest.num_stages)
-        self._attest(plan.other_route[0], hops, inputs.shape[0])
-        self.samples += inputs.shape[0]  # trained like any other: the stages' counts and the trainer's agree
-        return float(loss), hops
-
-    def _judge(
-        self,
-        plan: CheckPlan,
-        loss: float,
-        hops: list[protocol.HopTiming],
-        other_loss: float,
-        other_hops: list[protocol.HopTiming],
-    ) -> None:
-        prints = gradient_prints(plan, hops, other_hops)
-        for peer_id in self.checks.record(plan, loss, other_loss, prints):
-            self.router.ban(peer_id, time.monotonic() + CONVICTION_BAN)
-            logger.warning(
-                f"peer {peer_id[-8:]} of stage {plan.stage} computes wrong results (its losses or gradients disagreed with "
-                f"{len(self.checks.disagreed.get(peer_id, ()))} peers that agree with others): left out of routes "
-                f"for {CONVICTION_BAN / 60:.0f} minutes"
-            )
-
-    async def _route(self, samples: int, tried: set[str]) -> list[str]:
-        """The route expected to finish soonest (swarm/routing.py); it stops before a stage without peers (a hop
-        chooses itself there) and is empty if stage 0 has none left to try."""
-        stages = self.manifest.num_stages
-        origin = self.position.coordinate if self.position is not None else None
-        for force in (False, True):  # peers may have joined since the last look
-            online = [online_peers(await self.view.stage(s, force=force), get_dht_time()) for s in range(stages)]
-            route = self.router.choose_route(online, samples, time.monotonic(), self.rng, tried, origin)
-            if len(route) == stages:
-                break
-        for stage, peers in enumerate(online):
-            if peers:
-                self.unserved_stages.discard(stage)
-            elif stage not in self.unserved_stages:
-                self.unserved_stages.add(stage)
-                logger.warning(f"no online peer serves stage {stage}; waiting for one to join")
-        return [a.peer_id for a in route]
-
-    def _attest(self, first: str, hops: list[protocol.HopTiming], samples: int) -> None:
-        """Count a trained microbatch for the peers that did it: the stage-0 peer this trainer called, and the
-        later hops as the reply names them (each a different peer of the next stage; the reply comes from the
-        peers, so a dishonest stage-0 peer could name others: it cannot name itself twice)."""
-        peers = [first, *(hop.peer_id for hop in hops[1:])]
-        if len(set(peers)) == len(peers) and (not hops or hops[0].peer_id == first):
-            for peer_id in peers:
-                self.served[peer_id] += samples
-
-    def attested(self) -> tuple[tuple[str, int], ...]:
-        """What this trainer's report vouches for: the peers that served it most, at most MAX_ATTESTED_PEERS; not
-        this peer's own server (a peer vouching for itself would prove nothing)."""
-        others = collections.Counter({p: n for p, n in self.served.items() if p != self.peer_id})
-        return tuple(others.most_common(MAX_ATTESTED_PEERS))
-
-    def _learn(self, hops: list[protocol.HopTiming], took: float, samples: int) -> None:
-        """What a reply's hop timings say of each peer on the way: its compute, and the transfer to it from the
-        hop before (or from this trainer) and back."""
-        for index, hop in enumerate(hops):
-            reached = took if index == 0 else hops[index - 1].total - hops[index - 1].compute
-            source = ORIGIN if index == 0 else hops[index - 1].peer_id
-            self.router.observed_hop(source, hop.peer_id, samples, hop.compute, max(reached - hop.total, 0.0))
+    def _count_checked(self, samples: int) -> None:
+        """The samples of a check's copy, trained like any other (the stages' counts and the trainer's agree)."""
+        self.samples += samples
 
     async def _send(
         self, peer_id: str, kind: str, request: runtime_pb2.ExpertRequest, timeout: float
@@ -346,7 +175,7 @@ class Trainer:
         async def one(inputs: torch.Tensor, targets: torch.Tensor) -> float:
             async with semaphore:
                 if self.manifest.training.pipeline == "forward":
-                    loss, _ = await self._forwarded_microbatch(
+                    loss, _ = await self.forwarded.microbatch(
                         inputs, targets, train=False, timeout=max(deadline - time.monotonic(), 0.1)
                     )
                     return loss
@@ -361,6 +190,12 @@ class Trainer:
         logger.info(f"banning peer {peer_id[-8:]} for {seconds:.0f}s: {reason}")
 
     # ------------------------------------------------------------------------------------------- reports
+
+    def attested(self) -> tuple[tuple[str, int], ...]:
+        """What this trainer's report vouches for: the peers that served it most, at most MAX_ATTESTED_PEERS; not
+        this peer's own server (a peer vouching for itself would prove nothing)."""
+        others = collections.Counter({p: n for p, n in self.served.items() if p != self.peer_id})
+        return tuple(others.most_common(MAX_ATTESTED_PEERS))
 
     def recent_stats(self) -> tuple[float, float]:
         """(mean loss, samples per second) over the last REPORT_WINDOW seconds."""

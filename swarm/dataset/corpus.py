@@ -1,4 +1,4 @@
-"""Data preparation: a corpus tokenized once into token shards, which trainers then read memory-mapped (data.py).
+"""Data preparation: a corpus tokenized once into token shards, which trainers then read memory-mapped (shards.py).
 
 Each document of the source (see documents.py: a text file, a JSON line, a parquet row) is tokenized and followed
 by the tokenizer's end-of-document token (the byte vocabulary has none: a newline then), into the held-out part
@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import secrets
 import shutil
 import sysconfig
 from collections.abc import Iterable, Iterator
@@ -43,7 +42,7 @@ from swarm.dataset.documents import (
 )
 from swarm.dataset.tokenizer import Tokenizer
 from swarm.errors import DataError
-from swarm.files import atomic_write
+from swarm.files import AtomicFile, atomic_write, cache_root, temporary_path
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +77,12 @@ def index_sha256(path: Path | str) -> str:
 
 
 class _TokenFile:
-    """One output file of tokens, written incrementally under a temporary name and hashed as it is written."""
+    """One output file of tokens, written incrementally (atomically: swarm/files.py) and hashed as it is written."""
 
     def __init__(self, path: Path, dtype: np.dtype):
         self.path = path
         self.dtype = dtype
-        self.temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        self.file = open(self.temporary, "wb")
+        self.file = AtomicFile(path)
         self.digest = hashlib.sha256()
         self.tokens = 0
 
@@ -94,20 +92,13 @@ class _TokenFile:
         self.digest.update(data)
         self.tokens += len(tokens)
 
-    def close(self) -> dict:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+    def commit(self) -> dict:
+        """Put the file in place; its entry in the index."""
+        self.file.commit()
         return {"file": self.path.name, "tokens": self.tokens, "sha256": self.digest.hexdigest()}
 
-    def commit(self) -> dict:
-        entry = self.close()
-        os.replace(self.temporary, self.path)
-        return entry
-
     def abort(self) -> None:
-        self.file.close()
-        self.temporary.unlink(missing_ok=True)
+        self.file.abort()
 
 
 class _ShardWriter:
@@ -343,7 +334,7 @@ def prepare_corpus(
 
 def default_cache_dir() -> Path:
     """$SWARM_CACHE_DIR/data, or ~/.cache/swarm/data."""
-    return Path(os.environ.get("SWARM_CACHE_DIR") or Path.home() / ".cache" / "swarm") / "data"
+    return cache_root() / "data"
 
 
 def _cache_key(source: str, tokenizer: Tokenizer, shards: int, heldout_fraction: float) -> str:
@@ -383,7 +374,7 @@ def ensure_prepared(
             raise DataError(f"the data cache folder {final} is incomplete (no {INDEX_FILE}): delete it and retry")
         for leftover in cache_dir.glob(f".{key}.*.tmp"):  # of a process that died while preparing
             shutil.rmtree(leftover, ignore_errors=True)
-        temporary = cache_dir / f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        temporary = temporary_path(final)  # a folder, renamed when complete
         logger.info("preparing data source %r into the cache %s (once)", source, final)
         try:
             prepare_corpus(source, temporary, tokenizer, heldout_fraction=heldout_fraction, shard_count=shards)

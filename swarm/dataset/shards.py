@@ -8,8 +8,8 @@ order, epoch after epoch. `heldout_batches` gives the fixed held-out batches tha
 `open_swarm_data` is what a peer opens: the manifest's data, checked against its pins (the index's hash, the
 tokenizer's).
 
-`TextData` and `split_files` are the older interface (a raw source, byte tokens, one shard per trainer), kept for
-the benchmarks: raw sources are prepared once into the cache by `ensure_prepared`.
+`TextData` is the older interface (a raw source, byte tokens, one shard per trainer), kept for the demo, the
+benchmarks and the tests: raw sources are prepared once into the cache by `ensure_prepared`.
 """
 
 from __future__ import annotations
@@ -25,14 +25,13 @@ import numpy as np
 import torch
 
 from swarm.dataset.corpus import FORMAT, INDEX_FILE, ensure_prepared, index_sha256, token_dtype
-from swarm.dataset.documents import STDLIB, TEXT_SUFFIXES, corpus_files, heldout_bucket
+from swarm.dataset.documents import STDLIB
 from swarm.dataset.tokenizer import Tokenizer, byte_tokenizer, file_sha256
 from swarm.errors import DataError
 
 if TYPE_CHECKING:
     from swarm.manifests.manifest import Manifest
 
-MAX_FILE_BYTES = 10_000_000
 _DTYPES = ("uint8", "uint16", "uint32")
 
 
@@ -144,7 +143,6 @@ class TrainingStream:
         self.epoch = 0
         self.order: list[int] = [int(k) for k in self.rng.permutation(len(shards.train))]
         self.shard_position = -1  # index into `order` of the shard being read
-        self.tokens_read = 0  # input tokens handed out (batch * length per batch)
         self._starts: np.ndarray = np.zeros(0, dtype=np.int64)
         self._next = 0
         self._window = 0
@@ -202,7 +200,6 @@ class TrainingStream:
             self.shards.train[k][start : start + length + 1] for k, start in self.next_windows(batch_size, length)
         ]
         tokens = torch.from_numpy(np.stack(windows).astype(np.int64))
-        self.tokens_read += batch_size * length
         return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -285,49 +282,6 @@ def heldout_batches(
 # ------------------------------------------------------------------------------------------------ older interface
 
 
-def list_source_files(source: str) -> tuple[Path, list[Path]]:
-    """The root folder and the sorted text files of a data source ("stdlib", a file or a folder)."""
-    if source == STDLIB:
-        root, files = corpus_files(STDLIB)
-    else:
-        path = Path(source).expanduser()
-        if path.is_file():
-            return path.parent, [path]
-        if not path.is_dir():
-            raise DataError(f"data source {source!r} is neither 'stdlib', a text file nor a folder")
-        root = path
-        files = [f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES]
-    files = sorted(f for f in files if f.stat().st_size <= MAX_FILE_BYTES)
-    if not files:
-        raise DataError(f"data source {source!r} has no text files ({', '.join(TEXT_SUFFIXES)})")
-    return root, files
-
-
-def _bucket(path: Path, root: Path, salt: str, buckets: int) -> int:
-    name = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
-    digest = hashlib.sha256(f"{salt}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") % buckets
-
-
-def split_files(
-    source: str, heldout_fraction: float, shard: int | None = None, shards: int = 1
-) -> tuple[list[Path], list[Path]]:
-    """(train files of one shard, held-out files), split by file as corpus.py splits documents. shard=None gives
-    all train files."""
-    root, files = list_source_files(source)
-    if len(files) == 1:
-        return files, files  # a single file: its held-out part is taken from its end
-    heldout = [f for f in files if heldout_bucket(f.relative_to(root).as_posix()) < heldout_fraction * 100_000]
-    heldout_set = set(heldout)
-    train = [f for f in files if f not in heldout_set]
-    if not heldout:
-        heldout = [train.pop()]
-    if shard is not None:
-        shard_files = [f for f in train if _bucket(f, root, "shard", shards) == shard % shards]
-        train = shard_files or train  # a tiny corpus may leave a shard empty: read everything then
-    return train, heldout
-
-
 @dataclass
 class TextData:
     """Token stream of a trainer's shard and of the held-out set: byte tokens of a raw source, prepared once into
@@ -353,9 +307,3 @@ class TextData:
     @classmethod
     def load_heldout(cls, source: str, heldout_fraction: float = 0.05) -> np.ndarray:
         return cls.load(source, heldout_fraction).heldout
-
-
-def trainer_shard(peer_id: str, shards: int) -> int:
-    """The data shard a peer's trainer reads: a hash of its peer id, so that no coordinator assigns shards and a
-    restarted peer with the same identity reads the same one."""
-    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little") % shards

@@ -3,36 +3,33 @@
 
 Looked for in this order: this machine's tokenizer cache (`$SWARM_CACHE_DIR/tokenizers/<sha256>.json`), the file
 next to the manifest (or, for a manifest from a URL, the URL next to it), then the swarm's running peers, which
-hand out the copy they hold (`rpc_tokenizer`, in chunks). A copy whose hash differs is refused; a good one is
-kept in the cache, from which this peer hands it out in turn.
+hand out the copy they hold (`rpc_tokenizer`, in chunks: asked by swarm/client/rpc.py, `tokenizer_from_peers`). A
+copy whose hash differs is refused; a good one is kept in the cache, from which this peer hands it out in turn.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
 from pathlib import Path
 
 from swarm import __version__
 from swarm.dataset.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from swarm.errors import TokenizerError
-from swarm.files import atomic_write
+from swarm.files import atomic_write, cache_root
 from swarm.manifests.loading import confined
 from swarm.manifests.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024  # Llama 3's tokenizer.json is 9 MB
-CHUNK_BYTES = 2 * 1024 * 1024  # of rpc_tokenizer replies (hivemind's unary messages stop at 4 MiB)
 URL_TIMEOUT = 30.0
 
 
 def cache_folder() -> Path:
-    return Path(os.environ.get("SWARM_CACHE_DIR") or Path.home() / ".cache" / "swarm") / "tokenizers"
+    return cache_root() / "tokenizers"
 
 
 def cached_path(sha256: str) -> Path:
@@ -59,7 +56,7 @@ def check_hash(data: bytes, sha256: str, what: str) -> None:
 
 def local_tokenizer(manifest: Manifest) -> Tokenizer | None:
     """The swarm's tokenizer from this machine or the manifest's own location; None if neither has it (then ask
-    the swarm's peers: `tokenizer_from_peers`). The byte vocabulary needs no file."""
+    the swarm's peers: swarm/client/rpc.py, `tokenizer_from_peers`). The byte vocabulary needs no file."""
     data = manifest.data
     if not data.tokenizer:
         return byte_tokenizer()
@@ -115,28 +112,3 @@ def _fetch(url: str) -> bytes:
     if len(body) > MAX_TOKENIZER_BYTES:
         raise TokenizerError(f"{url} sent more than {MAX_TOKENIZER_BYTES} bytes; that is not a tokenizer.json")
     return body
-
-
-async def swarm_tokenizer(p2p, manifest: Manifest, peer_ids: Sequence[str], timeout: float = 60.0) -> Tokenizer:
-    """The swarm's tokenizer: from this machine or next to the manifest, else from the first of `peer_ids`."""
-    local = local_tokenizer(manifest)
-    return local if local is not None else await tokenizer_from_peers(p2p, manifest, peer_ids, timeout)
-
-
-async def tokenizer_from_peers(p2p, manifest: Manifest, peer_ids: Sequence[str], timeout: float = 60.0) -> Tokenizer:
-    """The swarm's tokenizer from the first of `peer_ids` that hands out a copy with the pinned hash."""
-    from swarm.client.rpc import fetch_tokenizer  # late: the client imports the server's stubs
-
-    failures = []
-    for peer_id in peer_ids:
-        try:
-            body = await fetch_tokenizer(p2p, peer_id, manifest, MAX_TOKENIZER_BYTES, timeout)
-            return load_tokenizer(store(body, manifest.data.tokenizer_sha256))
-        except Exception as e:  # refused, gone, too slow, or a wrong file: ask the next peer
-            failures.append(f"{peer_id[-8:]}: {str(e)[:200]}")
-    raise TokenizerError(
-        f"no copy of the swarm's tokenizer {manifest.data.tokenizer!r} (sha256 {manifest.data.tokenizer_sha256[:16]}"
-        f"...): it is neither next to the manifest nor in {cache_folder()}, and "
-        + (f"no peer handed it out ({'; '.join(failures[:3])})" if failures else "no peer was found to ask")
-        + ". Put the swarm's tokenizer.json next to the manifest."
-    )

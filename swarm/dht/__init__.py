@@ -1,2 +1,8 @@
-"""The DHT: starting a node with clear errors, joining a swarm through what --join names, the keys and records
-peers keep there (announcements, trainer reports), and the peer's cached view of them."""
+"""The DHT: where peers find each other and keep their small records.
+
+- node.py: starting a hivemind DHT node with clear errors, making it sign and check the swarm's records,
+  removing sockets a failed daemon leaves, and the addresses worth giving to others.
+- joining.py: joining through what --join names (a manifest's path or URL, or a running peer's multiaddr).
+- records.py: the keys and records peers keep there (stage announcements, trainer reports), validated on reading.
+- announcement_cache.py: the peer's cached view of the stages' announcements, shared by its parts.
+"""

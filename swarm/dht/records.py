@@ -1,4 +1,5 @@
-"""DHT keys and the small records peers keep there: announcements of stage servers and trainer reports.
+"""DHT keys and the small records peers keep there: announcements of stage servers and trainer reports, their
+validation, and reading and writing them (a peer's cached view of them is swarm/dht/announcement_cache.py).
 
 Every key starts with the swarm id, so that swarms with different settings can share one DHT and never mix.
 Records are dictionaries keyed by peer id (a DHT "subkey"), each subkey with its own expiration. Records
@@ -8,7 +9,6 @@ read from the DHT come from strangers: they are validated, and invalid ones are 
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 from dataclasses import asdict, dataclass
 from enum import StrEnum
@@ -18,9 +18,8 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from swarm import PROTOCOL_VERSION, __version__
+from swarm.errors import MalformedDataError
 from swarm.network.coordinates import Coordinate
-
-logger = logging.getLogger(__name__)
 
 
 class PeerState(StrEnum):
@@ -171,7 +170,7 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
             version=_printable(record["version"]),
             expiration=float(expiration),
         )
-    except (KeyError, ValueError):
+    except (KeyError, ValueError):  # a MalformedDataError (a ValueError), or a state PeerState does not know
         return None
     if ann.peer_id != subkey or ann.stage != stage:
         return None
@@ -204,20 +203,20 @@ def parse_trainer_report(subkey: Any, record: Any, expiration: float) -> Trainer
 
 def _served(value: Any) -> tuple[tuple[str, int], ...]:
     if not isinstance(value, dict) or len(value) > MAX_ATTESTED_PEERS:
-        raise ValueError("not a table of samples served")
+        raise MalformedDataError("not a table of samples served")
     return tuple((_peer_id(peer_id), _count(samples)) for peer_id, samples in value.items())
 
 
 def _text(value: Any) -> str:
     if not isinstance(value, str) or len(value) > MAX_TEXT:
-        raise ValueError("not a short string")
+        raise MalformedDataError("not a short string")
     return value
 
 
 def _peer_id(value: Any) -> str:
     """A libp2p peer id as text: base58 only (it is shown, used as a key and parsed by libp2p)."""
     if not isinstance(value, str) or not PEER_ID_PATTERN.fullmatch(value):
-        raise ValueError("not a peer id")
+        raise MalformedDataError("not a peer id")
     return value
 
 
@@ -225,39 +224,39 @@ def _printable(value: Any) -> str:
     """Text shown to people (names, devices, versions): no control characters, no terminal escapes."""
     text = _text(value)
     if not text.isprintable():
-        raise ValueError("not printable")
+        raise MalformedDataError("not printable")
     return text
 
 
 def _addresses(value: Any) -> tuple[str, ...]:
     """A few short strings; whether they are multiaddrs is checked where they are dialed."""
     if not isinstance(value, (list, tuple)) or len(value) > MAX_ADDRESSES:
-        raise ValueError("not a list of addresses")
+        raise MalformedDataError("not a list of addresses")
     return tuple(_text(item) for item in value)
 
 
 def _count(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
-        raise ValueError("not a count")
+        raise MalformedDataError("not a count")
     return value
 
 
 def _flag(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError("not a boolean")
+        raise MalformedDataError("not a boolean")
     return value
 
 
 def _duration(value: Any) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1e10:
-        raise ValueError("not a duration")
+        raise MalformedDataError("not a duration")
     return float(value)
 
 
 def _rate(value: Any) -> float:
     """A throughput: finite, non-negative and at most MAX_THROUGHPUT (a stranger's claim must not swamp routing)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= MAX_THROUGHPUT:
-        raise ValueError("not a throughput")  # NaN fails the range check too
+        raise MalformedDataError("not a throughput")  # NaN fails the range check too
     return float(value)
 
 
@@ -314,40 +313,3 @@ def _entries(found: Any) -> list[tuple[Any, Any]]:
         for subkey, item in found.value.items()
         if now < item.expiration_time <= now + MAX_LIFETIME  # far-future records would outlive their owner
     ]
-
-
-class SwarmView:
-    """A cached picture of the stages' announcements, refreshed from the DHT when older than `max_age`.
-
-    Many microbatches share one view; a lock makes them wait for one refresh instead of each starting its own,
-    and a forced refresh happens at most once per `min_refresh_interval` seconds.
-    """
-
-    def __init__(self, dht: DHT, swarm_id: str, num_stages: int, max_age: float, min_refresh_interval: float = 1.0):
-        self.dht, self.swarm_id, self.num_stages = dht, swarm_id, num_stages
-        self.max_age, self.min_refresh_interval = max_age, min_refresh_interval
-        self._stages: list[list[Announcement]] = [[] for _ in range(num_stages)]
-        self._updated = -float("inf")
-        self._lock = asyncio.Lock()
-
-    async def refresh(self) -> None:
-        results = await asyncio.gather(
-            *[fetch_announcements(self.dht, self.swarm_id, s) for s in range(self.num_stages)], return_exceptions=True
-        )
-        for stage, result in enumerate(results):
-            if isinstance(result, BaseException):
-                logger.warning(f"reading announcements of stage {stage} failed: {result!r}")
-            else:
-                self._stages[stage] = result
-        self._updated = get_dht_time()
-
-    async def all_stages(self, force: bool = False) -> list[list[Announcement]]:
-        """Announcements of every stage (all states), refreshed if stale, or if forced and not just refreshed."""
-        async with self._lock:
-            age = get_dht_time() - self._updated
-            if age > self.max_age or (force and age >= self.min_refresh_interval):
-                await self.refresh()
-        return list(self._stages)
-
-    async def stage(self, stage: int, force: bool = False) -> list[Announcement]:
-        return (await self.all_stages(force))[stage]

@@ -16,37 +16,25 @@ from typing import Any
 
 import torch
 
-from swarm.errors import SwarmError
+from swarm.errors import ExportError
 from swarm.files import atomic_write
 from swarm.hf.format import hf_config, to_hf_state
 from swarm.manifests.manifest import Manifest
 
-HF_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class HFExportError(SwarmError):
-    """The Hugging Face folder cannot be written."""
 
 
 def check_output_folder(folder: Path) -> None:
     """Fail before any download if `folder` cannot be written (created if its parent exists)."""
     if folder.exists() and not folder.is_dir():
-        raise HFExportError(f"{folder} is a file; a Hugging Face export is a folder: give a folder's path")
+        raise ExportError(f"{folder} is a file; a Hugging Face export is a folder: give a folder's path")
     if not folder.exists():
         if not folder.parent.is_dir():
-            raise HFExportError(f"cannot create {folder}: the folder {folder.parent} does not exist")
+            raise ExportError(f"cannot create {folder}: the folder {folder.parent} does not exist")
         if not os.access(folder.parent, os.W_OK | os.X_OK):
-            raise HFExportError(f"cannot create {folder}: this user may not write in {folder.parent}")
+            raise ExportError(f"cannot create {folder}: this user may not write in {folder.parent}")
     elif not os.access(folder, os.W_OK | os.X_OK):
-        raise HFExportError(f"this user may not write files in {folder}; choose another folder")
+        raise ExportError(f"this user may not write files in {folder}; choose another folder")
 
 
 def byte_tokenizer_json() -> str:
@@ -109,7 +97,7 @@ def write_hf_folder(
         atomic_write(folder / "special_tokens_map.json", json.dumps(tokens, indent=2) + "\n")
         return (folder / "model.safetensors").stat().st_size
     except OSError as e:
-        raise HFExportError(f"cannot write the export into {folder}: {e.strerror or e}") from None
+        raise ExportError(f"cannot write the export into {folder}: {e.strerror or e}") from None
 
 
 def _special_ids(tokenizer_json: str | None, special_tokens: dict[str, str | None]) -> dict[str, int]:

@@ -1,10 +1,10 @@
 """Hugging Face's format of a model: config.json, tensor names, and the way back (pure functions, no I/O).
 
-Swarm's whole-model names are `swarm.architectures.model.build_full_model`'s (`embeddings.tokens.weight`, `blocks.3.mlp...`,
-`head.lm_head.weight`). A Llama swarm maps one to one onto transformers' `LlamaForCausalLM`; a GPT swarm onto
-`GPT2LMHeadModel`, whose linear layers are `Conv1D`s that store their weight transposed, and whose MLP is exact
-GELU here (`activation_function: "gelu"`, not GPT-2's tanh approximation). Reading and writing the files is
-swarm/client/export.py's and peers/swarm_init.py's.
+Swarm's whole-model names are `swarm.architectures.model.build_full_model`'s (`embeddings.tokens.weight`,
+`blocks.3.mlp...`, `head.lm_head.weight`). A Llama swarm maps one to one onto transformers' `LlamaForCausalLM`; a
+GPT swarm onto `GPT2LMHeadModel`, whose linear layers are `Conv1D`s that store their weight transposed, and whose
+MLP is exact GELU here (`activation_function: "gelu"`, not GPT-2's tanh approximation). Writing and reading the
+files is swarm/hf/folder.py's and swarm/hf/pretrained.py's.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from swarm.errors import ManifestError
 from swarm.hf.format import hf_name, model_config_from_hf
 from swarm.manifests.loading import confined
 from swarm.manifests.manifest import Manifest, ModelConfig
-from swarm.server.stage_state import stage_parameter_shapes
+from swarm.wire.state import stage_parameter_shapes
 
 logger = logging.getLogger(__name__)
 

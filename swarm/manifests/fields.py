@@ -2,8 +2,9 @@
 
 A `Fields` reads one object of the manifest (the whole manifest, or a section such as `training`) for the
 dataclass that object becomes. A missing field takes that dataclass field's default, and a field whose
-dataclass field has no default is required: defaults are stated once, in swarm/manifests/manifest.py's dataclasses,
-never here. The rules (types, ranges, choices) are swarm/manifests/manifest.py's `manifest_from_dict`.
+dataclass field has no default is required: defaults are stated once, in swarm/manifests/manifest.py's
+dataclasses, never here. `validate_multiaddrs` checks the peers' addresses a manifest lists. The rules (types,
+ranges, choices) are swarm/manifests/validation.py's `manifest_from_dict`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import dataclasses
 import math
 import reprlib
 from typing import Any
+
+from multiaddr import Multiaddr
 
 from swarm.errors import ManifestError
 
@@ -141,3 +144,24 @@ class Fields:
         unknown = sorted(set(self.raw) - self.used)
         if unknown:
             raise ManifestError(f"{self._name(unknown[0])}: unknown field (misspelled?)")
+
+
+def validate_multiaddrs(values: list[Any], where: str) -> list[str]:
+    """Parse every multiaddr with the `multiaddr` library; raise ManifestError on the first bad one."""
+    result = []
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            raise ManifestError(f"manifest field '{where}[{i}]': must be a multiaddr string, got {shown(value)}")
+        try:
+            addr = Multiaddr(value)
+        except Exception as e:  # the multiaddr library raises several unrelated types
+            raise ManifestError(
+                f"manifest field '{where}[{i}]': {shown(value)} is not a valid multiaddr ({e})"
+            ) from None
+        if "p2p" not in [p.name for p in addr.protocols()]:
+            raise ManifestError(
+                f"manifest field '{where}[{i}]': {shown(value)} has no /p2p/<peer id> part; copy the full address "
+                "that swarm-peer printed"
+            )
+        result.append(str(addr))
+    return result

@@ -2,8 +2,8 @@
 
 A URL may carry the swarm id as its fragment, checked against the content; both a file and a URL's body are
 limited to MAX_MANIFEST_BYTES, and a URL to URL_TIMEOUT seconds in all. A private swarm's manifest names its
-secret file, which is read here too (`with_secret`). What a manifest holds, and its validation, is
-swarm/manifests/manifest.py's.
+secret file, which is read here too (`with_secret`). What a manifest holds is swarm/manifests/manifest.py's, its
+validation swarm/manifests/validation.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 from swarm import __version__
 from swarm.errors import ManifestError
 from swarm.files import atomic_write
-from swarm.manifests.manifest import Manifest, parse_manifest
+from swarm.manifests.manifest import Manifest
+from swarm.manifests.validation import parse_manifest
 from swarm.trust.secret import read_secret
 
 MAX_MANIFEST_BYTES = 1_000_000

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from swarm.errors import SwarmError
+from swarm.errors import HistoryError
 from swarm.files import cache_root
 
 APPLICATION = "swarm-monitor"
@@ -55,10 +55,6 @@ CREATE TABLE IF NOT EXISTS attestations (
     trainer_id TEXT NOT NULL, peer_id TEXT NOT NULL, banked INTEGER NOT NULL DEFAULT 0,
     last INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (trainer_id, peer_id));
 """
-
-
-class HistoryError(SwarmError):
-    """The history file cannot be used: corrupt, not a monitor's, another swarm's, or not writable."""
 
 
 def default_history_path(swarm_id: str) -> Path:
@@ -211,7 +207,7 @@ class History:
         """The swarm's and each stage's figures over `window` (a key of WINDOWS), as JSON-ready columns: one list
         per figure, aligned with "time". At most MAX_POINTS points: the latest sample of each time bucket."""
         if window not in WINDOWS:
-            raise ValueError(f"unknown window {window!r}; use one of {', '.join(WINDOWS)}")
+            raise HistoryError(f"unknown window {window!r}; use one of {', '.join(WINDOWS)}")
         since = now - WINDOWS[window] if math.isfinite(WINDOWS[window]) else -math.inf
         with self.lock:
             first = self.db.execute("SELECT min(time) FROM samples WHERE time >= ?", (since,)).fetchone()[0]

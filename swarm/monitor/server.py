@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from swarm.errors import SwarmError
-from swarm.monitor.history import WINDOWS, History, HistoryError
+from swarm.errors import HistoryError, PeerStartError
+from swarm.monitor.history import WINDOWS, History
 from swarm.monitor.leaderboard import Leaderboard
 from swarm.monitor.prometheus import swarm_metrics
 
@@ -80,14 +80,14 @@ def _static_files() -> dict[str, tuple[str, bytes, bytes]]:
 
 
 def plotly_javascript() -> bytes:
-    """plotly.js as plotly's Python package ships it; SwarmError if the package is missing."""
+    """plotly.js as plotly's Python package ships it; PeerStartError if the package is missing."""
     try:
         import plotly
     except ImportError:
-        raise SwarmError("swarm-monitor draws its plots with plotly: pip install 'plotly>=5,<8'") from None
+        raise PeerStartError("swarm-monitor draws its plots with plotly: pip install 'plotly>=5,<8'") from None
     path = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
     if not path.is_file():
-        raise SwarmError(f"plotly {plotly.__version__} has no {path}: reinstall it (pip install 'plotly>=5,<8')")
+        raise PeerStartError(f"plotly {plotly.__version__} has no {path}: reinstall it (pip install 'plotly>=5,<8')")
     return path.read_bytes()
 
 
@@ -102,8 +102,10 @@ class MonitorServer:
             self.httpd = ThreadingHTTPServer((host, port), handler)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise SwarmError(f"port {port} on {host} is in use; pass another --port (0: any free one)") from None
-            raise SwarmError(f"cannot serve the page on {host}:{port} ({e}); check --host and --port") from None
+                raise PeerStartError(
+                    f"port {port} on {host} is in use; pass another --port (0: any free one)"
+                ) from None
+            raise PeerStartError(f"cannot serve the page on {host}:{port} ({e}); check --host and --port") from None
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="monitor-http", daemon=True)
 

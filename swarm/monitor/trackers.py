@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from swarm.errors import SwarmError
+from swarm.errors import PeerStartError
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +50,13 @@ class TensorBoardTracker:
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
-            raise SwarmError("--tensorboard needs the tensorboard extra: pip install 'swarm[tensorboard]'") from None
+            raise PeerStartError(
+                "--tensorboard needs the tensorboard extra: pip install 'swarm[tensorboard]'"
+            ) from None
         try:
             self.writer = SummaryWriter(logdir=str(folder), flush_secs=10)
         except OSError as e:
-            raise SwarmError(
+            raise PeerStartError(
                 f"cannot write TensorBoard files to {folder} ({e}); pass another --tensorboard DIR"
             ) from None
 
@@ -74,11 +76,11 @@ class WandbTracker:
         try:
             import wandb
         except ImportError:
-            raise SwarmError("--wandb needs the wandb extra: pip install 'swarm[wandb]'") from None
+            raise PeerStartError("--wandb needs the wandb extra: pip install 'swarm[wandb]'") from None
         try:
             self.run = wandb.init(project=project, name=name, config=config, dir=str(folder) if folder else None)
         except Exception as e:  # wandb raises its own errors (no login, no network): say what to do
-            raise SwarmError(
+            raise PeerStartError(
                 f"wandb could not start a run in project {project!r} ({type(e).__name__}: {e}); log in with "
                 "`wandb login`, or set WANDB_MODE=offline to log to local files"
             ) from None

@@ -1,2 +1,6 @@
-"""Where a peer sits in the internet: Vivaldi latency coordinates, the cache of start-up network checks that a
-restart reuses, and emulated internet links for tests and benchmarks on one machine."""
+"""Where a peer sits in the internet, and internet links on one machine.
+
+- coordinates.py: Vivaldi network coordinates: the round trip between two peers that never talked (pure).
+- startup_cache.py: answers of start-up checks (reachability, identity) that a restart on this machine reuses.
+- emulated_links.py: emulated internet links (bandwidth, delay, jitter) for tests and benchmarks on one machine.
+"""

@@ -2,7 +2,7 @@
 
 Each peer keeps a position in a small Euclidean space plus a height (the latency of its own access link, which
 every path to it pays), so that the distance between two positions approximates the round-trip time between the
-peers. A peer measures round trips to a few others (server/coordinates_keeper.py pings them) and moves its
+peers. A peer measures round trips to a few others (swarm/client/pinger.py pings them) and moves its
 position towards agreement with what it measured, weighted by how sure it and the other are (their errors). It
 announces its position; anyone can then estimate the round trip between any two announced peers. This is
 Vivaldi (Dabek et al., SIGCOMM 2004) with height vectors, as Serf and Consul use it. Pure logic, no I/O.
@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+
+from swarm.errors import MalformedDataError
 
 DIMENSIONS = 2
 CE = 0.25  # how fast the error estimate follows new samples
@@ -34,17 +36,17 @@ class Coordinate:
 
     @classmethod
     def from_record(cls, value: object) -> Coordinate:
-        """From an announcement; raises ValueError unless it is DIMENSIONS + 2 finite, bounded numbers."""
+        """From an announcement; raises MalformedDataError unless it is DIMENSIONS + 2 finite, bounded numbers."""
         if not isinstance(value, (list, tuple)) or len(value) != DIMENSIONS + 2:
-            raise ValueError("a coordinate is a list of position, height and error")
+            raise MalformedDataError("a coordinate is a list of position, height and error")
         numbers = [float(v) for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if len(numbers) != len(value) or not all(math.isfinite(v) for v in numbers):
-            raise ValueError("a coordinate holds finite numbers")
+            raise MalformedDataError("a coordinate holds finite numbers")
         *vector, height, error = numbers
         if any(abs(v) > MAX_COORDINATE for v in vector) or not 0 <= height <= MAX_COORDINATE:
-            raise ValueError("a coordinate out of bounds")
+            raise MalformedDataError("a coordinate out of bounds")
         if not 0 <= error <= MAX_ERROR:
-            raise ValueError("a coordinate's error is out of bounds")
+            raise MalformedDataError("a coordinate's error is out of bounds")
         return cls(tuple(vector), max(height, MIN_HEIGHT), error)
 
     @property

@@ -37,6 +37,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from swarm.errors import EmulatedLinkError
+
 LOOPBACK = "127.0.0.1"
 CHUNK_BYTES = 16384  # bytes read at once; a small chunk keeps the store-and-forward delay of each read small
 DEFAULT_LIFETIME = 3600.0
@@ -56,10 +58,10 @@ class LinkSpec:
         """'20mbit/25ms', '100mbit:20mbit/50ms/5ms' (down:up), 'unlimited/10ms' or 'unlimited'."""
         parts = text.strip().lower().split("/")
         if not 1 <= len(parts) <= 3 or not parts[0]:
-            raise ValueError(f"a link is RATE[/DELAY[/JITTER]], e.g. 20mbit/25ms, not {text!r}")
+            raise EmulatedLinkError(f"a link is RATE[/DELAY[/JITTER]], e.g. 20mbit/25ms, not {text!r}")
         rates = parts[0].split(":")
         if len(rates) > 2:
-            raise ValueError(f"a link's rate is RATE or DOWN:UP, not {parts[0]!r}")
+            raise EmulatedLinkError(f"a link's rate is RATE or DOWN:UP, not {parts[0]!r}")
         down, up = (_rate(rates[0]), _rate(rates[-1]))
         delay = _seconds(parts[1]) if len(parts) > 1 else 0.0
         jitter = _seconds(parts[2]) if len(parts) > 2 else 0.0
@@ -76,19 +78,19 @@ class LinkSpec:
 def _rate(text: str) -> float | None:
     if text in ("unlimited", "inf", ""):
         return None
-    match = re.fullmatch(r"([0-9.]+)\s*(k|m|g)?bit", text)
+    match = re.fullmatch(r"([0-9]+\.?[0-9]*|\.[0-9]+)\s*(k|m|g)?bit", text)
     if not match:
-        raise ValueError(f"a rate is like 20mbit, 500kbit or unlimited, not {text!r}")
+        raise EmulatedLinkError(f"a rate is like 20mbit, 500kbit or unlimited, not {text!r}")
     value = float(match.group(1)) * {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
     if value <= 0:
-        raise ValueError(f"a rate must be positive, not {text!r}")
+        raise EmulatedLinkError(f"a rate must be positive, not {text!r}")
     return value
 
 
 def _seconds(text: str) -> float:
-    match = re.fullmatch(r"([0-9.]+)\s*(ms|s)", text)
+    match = re.fullmatch(r"([0-9]+\.?[0-9]*|\.[0-9]+)\s*(ms|s)", text)
     if not match:
-        raise ValueError(f"a delay is like 25ms or 0.1s, not {text!r}")
+        raise EmulatedLinkError(f"a delay is like 25ms or 0.1s, not {text!r}")
     return float(match.group(1)) / (1000 if match.group(2) == "ms" else 1)
 
 
@@ -120,7 +122,6 @@ class _Link:
     down: _Bucket = field(init=False)
     bytes_up: int = 0
     bytes_down: int = 0
-    connections: int = 0
 
     def __post_init__(self) -> None:
         self.up, self.down = _Bucket(self.spec.up_bits), _Bucket(self.spec.down_bits)
@@ -147,9 +148,9 @@ class EmulatedLinks:
     def add(self, name: str, target_port: int, spec: LinkSpec, relay_port: int = 0) -> int:
         """Put the peer listening on 127.0.0.1:`target_port` behind a link; returns the relay's port."""
         if name in self._links:
-            raise ValueError(f"there is a link named {name!r} already")
+            raise EmulatedLinkError(f"there is a link named {name!r} already")
         if not 0 < target_port < 65536:
-            raise ValueError(f"target port {target_port} is not a port")
+            raise EmulatedLinkError(f"target port {target_port} is not a port")
         link = _Link(name, target_port, spec)
 
         async def start() -> int:
@@ -172,16 +173,6 @@ class EmulatedLinks:
             port = probe.getsockname()[1]
         relay = self.add(name, port, spec)
         return ["--host-maddrs", f"/ip4/{LOOPBACK}/tcp/{port}", "--announce-maddrs", f"/ip4/{LOOPBACK}/tcp/{relay}"]
-
-    def set_spec(self, name: str, spec: LinkSpec) -> None:
-        """Change a link while it runs (for example to make a peer's link worse mid-run)."""
-        link = self._links[name]
-
-        def change() -> None:
-            link.spec = spec
-            link.up, link.down = _Bucket(spec.up_bits), _Bucket(spec.down_bits)
-
-        self._loop.call_soon_threadsafe(change)
 
     def carried(self) -> dict[str, dict[str, int]]:
         """Bytes each link carried so far: up (sent by its peer) and down (received by it)."""
@@ -221,7 +212,6 @@ class EmulatedLinks:
         self._tasks.add(task)
         source_port = client_writer.get_extra_info("peername")[1]
         source = self._by_port.get(source_port)  # None: a connection from a process that does not listen
-        link.connections += 1
         self._writers.add(client_writer)
         try:
             peer_reader, peer_writer = await asyncio.open_connection(LOOPBACK, link.target_port)

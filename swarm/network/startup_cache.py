@@ -7,7 +7,8 @@ seconds (docs/RELIABILITY.md, "Restarts"):
   id already run elsewhere?) is skipped. The lock on the file already rules out a twin on this machine; a copy of
   the file started on another machine still checks when it starts there, since its own record names this one.
 
-Both live in $SWARM_CACHE_DIR/startup.json. A damaged or foreign file is ignored (the checks then simply run).
+Both live in $SWARM_CACHE_DIR/startup.json (or ~/.cache/swarm/startup.json). A damaged or foreign file is ignored
+(the checks then simply run).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import socket
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from swarm.files import atomic_write, cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,7 @@ MAX_ENTRIES = 64
 
 
 def default_path() -> Path:
-    root = os.environ.get("SWARM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "swarm"
-    )
-    return Path(root) / "startup.json"
+    return cache_root() / "startup.json"
 
 
 def machine_id() -> str:
@@ -74,7 +72,7 @@ class StartupCache:
 
     def _write(self, key: str, value: dict[str, Any]) -> None:
         # Peers started together on one machine write at once: the read-modify-write holds a lock (else one
-        # peer's entry is lost and its restart checks again), and each writes its own temporary file.
+        # peer's entry is lost and its restart checks again); the file itself is replaced atomically.
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
@@ -83,11 +81,7 @@ class StartupCache:
                 data[key] = {**value, "time": time.time()}
                 if len(data) > MAX_ENTRIES:  # the oldest go first
                     data = dict(sorted(data.items(), key=lambda item: _age_key(item[1]))[-MAX_ENTRIES:])
-                with tempfile.NamedTemporaryFile(
-                    "w", dir=self.path.parent, prefix=self.path.name, suffix=".tmp", delete=False
-                ) as temporary:
-                    temporary.write(json.dumps(data))
-                Path(temporary.name).replace(self.path)
+                atomic_write(self.path, json.dumps(data))
         except OSError as e:
             logger.info(f"could not write {self.path}: {e}")
 

@@ -4,7 +4,7 @@ A request gets a prompt refusal instead of work when its sender is banned (it se
 the stage is not online, when too many requests are in flight (in all, or from this one caller), or when the
 expected wait in the queue would eat most of the forward timeout; in a private swarm, a request without a valid
 proof of membership is refused before any other work. Refusals are error replies with a code
-(swarm/wire/protocol.py), never exceptions. Runs on the event loop only.
+(swarm/wire/codes.py), never exceptions. Runs on the event loop only.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from swarm.dht.records import PeerState
 from swarm.errors import BadRequestError
 from swarm.manifests.manifest import Manifest
 from swarm.trust.bans import Bans
-from swarm.wire import protocol
+from swarm.wire.codes import ErrorCode
+from swarm.wire.messages import make_error_reply
+from swarm.wire.validation import decode_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +49,8 @@ class Admission:
         if seconds <= 0:
             return None
         self.banned_replies += 1
-        return protocol.make_error_reply(
-            f"this peer bans you for {seconds:.0f} more seconds: you sent too many bad requests", "banned"
+        return make_error_reply(
+            f"this peer bans you for {seconds:.0f} more seconds: you sent too many bad requests", ErrorCode.BANNED
         )
 
     def refusal(self, caller: str, state: PeerState, seconds_per_request: float) -> runtime_pb2.ExpertResponse | None:
@@ -70,14 +72,14 @@ class Admission:
 
     def busy(self, reason: str) -> runtime_pb2.ExpertResponse:
         self.busy_replies += 1
-        return protocol.make_error_reply(reason, "busy")
+        return make_error_reply(reason, ErrorCode.BUSY)
 
     def outsider_refusal(self, metadata: bytes, caller: str) -> runtime_pb2.ExpertResponse | None:
         """In a private swarm, refuse a request whose metadata does not prove membership, before any other work."""
         if not self.manifest.private:
             return None
         try:
-            protocol.decode_metadata(runtime_pb2.ExpertRequest(metadata=metadata), self.manifest, caller)
+            decode_metadata(runtime_pb2.ExpertRequest(metadata=metadata), self.manifest, caller)
         except BadRequestError as e:
             return self.bad_request(caller, str(e))
         return None
@@ -88,7 +90,7 @@ class Admission:
         ban = self.bans.record_bad_request(caller, time.monotonic())
         if ban:
             logger.warning(f"banning peer {caller[-8:]} for {ban:.0f}s: too many bad requests (last: {message[:200]})")
-        return protocol.make_error_reply(message, "bad_request")
+        return make_error_reply(message, ErrorCode.BAD_REQUEST)
 
     def take_slot(self, caller: str) -> None:
         self.pending += 1

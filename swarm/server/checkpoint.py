@@ -1,7 +1,7 @@
 """Checkpoints of a stage's state: one safetensors file per stage, written atomically.
 
 A checkpoint holds everything a stage server hands to a peer that takes the stage over (parameters, optimizer
-statistics, DiLoCo's outer state, named as in swarm/server/stage_state.py) and, in the file's metadata, the swarm id,
+statistics, DiLoCo's outer state, named as in swarm/wire/state.py) and, in the file's metadata, the swarm id,
 the stage, its layers, the counters (optimizer steps, averaging round) and when it was saved. It is written
 atomically (swarm/files.py): a crash leaves either the old checkpoint or the new one, never half of one.
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +22,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from swarm.errors import SwarmError
-from swarm.files import atomic_write
+from swarm.errors import CheckpointError
+from swarm.files import atomic_write, cache_root
 from swarm.manifests.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "swarm-stage-checkpoint/1"
-
-
-class CheckpointError(SwarmError):
-    """A checkpoint file that cannot be used: unreadable, corrupt, or of another swarm or stage."""
 
 
 @dataclass
@@ -51,8 +46,7 @@ class Checkpoint:
 
 def default_checkpoint_dir(manifest: Manifest) -> Path:
     """$SWARM_CACHE_DIR (or ~/.cache/swarm)/checkpoints/<swarm id>: one folder per swarm."""
-    root = Path(os.environ.get("SWARM_CACHE_DIR") or Path.home() / ".cache" / "swarm")
-    return root / "checkpoints" / manifest.swarm_id
+    return cache_root() / "checkpoints" / manifest.swarm_id
 
 
 def checkpoint_path(directory: Path, stage: int) -> Path:
@@ -102,15 +96,16 @@ def load_checkpoint(path: Path, manifest: Manifest, stage: int) -> Checkpoint:
         )
     if metadata.get("stage") != str(stage):
         raise CheckpointError(f"checkpoint {path} holds stage {metadata.get('stage')}, not stage {stage}; not loaded")
+    malformed = f"checkpoint {path} has malformed metadata"
     try:
         counters = json.loads(metadata["counters"])
         saved_at = float(metadata["saved_at"])
-        if not isinstance(counters, dict) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**53 for v in counters.values()
-        ):
-            raise ValueError("counters must be non-negative integers")
     except (KeyError, ValueError, TypeError, RecursionError) as e:
-        raise CheckpointError(f"checkpoint {path} has malformed metadata ({str(e)[:200]}); delete it") from None
+        raise CheckpointError(f"{malformed} ({str(e)[:200]}); delete it") from None
+    if not isinstance(counters, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**53 for v in counters.values()
+    ):
+        raise CheckpointError(f"{malformed} (counters must be non-negative integers); delete it")
     return Checkpoint(path, stage, items, counters, saved_at)
 
 

@@ -21,40 +21,33 @@ import torch
 
 from swarm.architectures.model import StageModel
 from swarm.averaging.averager import StageAverager
-from swarm.errors import BadRequestError
+from swarm.errors import (
+    BadRequestError,
+    DuplicateMicrobatchError,
+    GradientOverflowError,
+    TooLateError,
+    UnknownMicrobatchError,
+    WrongStageError,
+)
 from swarm.manifests.manifest import Manifest
-from swarm.server.precision import GradientOverflowError, LossScaler
-from swarm.server.stage_state import (
+from swarm.server.precision import LossScaler
+from swarm.server.staleness import StalenessControl
+from swarm.throughput import FORWARD_SHARE, SimulatedSpeed
+from swarm.wire.messages import StageRequest
+from swarm.wire.state import (
     load_state_tensors,
     make_optimizer,
     outer_state_shapes,
     state_tensors,
     trainable_parameters,
 )
-from swarm.server.staleness import StalenessControl
-from swarm.throughput import FORWARD_SHARE, SimulatedSpeed
-from swarm.wire import protocol
+from swarm.wire.tensors import all_finite
+from swarm.wire.validation import check_grad, check_inputs, check_targets
 
 ACTIVATION_CACHE_BYTES = 1 << 30
 MAX_LEDGER = 200_000  # forwarded microbatch ids remembered (about 100 bytes each)
 REPLY_CACHE_BYTES = 1 << 26  # replies of applied forwarded microbatches kept to answer a repeat (see replay)
 T = TypeVar("T")
-
-
-class WrongStageError(Exception):
-    """A request for another stage than the one this peer serves (it has moved, or the caller's view is old)."""
-
-
-class UnknownMicrobatchError(Exception):
-    """Backward for a microbatch whose forward is not cached here, sent without inputs to recompute it."""
-
-
-class DuplicateMicrobatchError(Exception):
-    """A train request for a microbatch this peer has in progress or applied already."""
-
-
-class TooLateError(Exception):
-    """The hop's deadline passed before its gradient was applied: nothing was applied (the caller has moved on)."""
 
 
 @dataclass
@@ -147,7 +140,7 @@ class StageCompute:
     # ----------------------------------------------------------------------------------- requests
 
     def process(
-        self, kind: str, req: protocol.StageRequest, caller: str, apply_before: float | None = None
+        self, kind: str, req: StageRequest, caller: str, apply_before: float | None = None
     ) -> list[torch.Tensor]:
         """Forward or backward of one decoded request; raises BadRequestError, WrongStageError or
         UnknownMicrobatchError for requests it cannot serve (nothing changes then). With `apply_before` (a
@@ -164,15 +157,15 @@ class StageCompute:
             self.simulated.pad(begin, req.tensors[0].shape[0], share)
         return outputs
 
-    def _forward(self, req: protocol.StageRequest, caller: str) -> list[torch.Tensor]:
+    def _forward(self, req: StageRequest, caller: str) -> list[torch.Tensor]:
         expected = 2 if self.last else 1
         if len(req.tensors) != expected:
             what = "[inputs, targets]" if self.last else "[inputs]"
             raise BadRequestError(f"forward of stage {self.stage} takes {what}, got {len(req.tensors)} tensors")
         inputs = req.tensors[0]
-        protocol.check_inputs(inputs, self.manifest, self.stage)
+        check_inputs(inputs, self.manifest, self.stage)
         if self.last:
-            protocol.check_targets(req.tensors[1], inputs, self.manifest.model.vocab_size)
+            check_targets(req.tensors[1], inputs, self.manifest.model.vocab_size)
         x = inputs.to(self.device)
 
         if not req.train:
@@ -195,7 +188,7 @@ class StageCompute:
         self._remember(caller, req.microbatch_id, x, out, weights)
         return [out.detach().float().cpu()]
 
-    def _backward(self, req: protocol.StageRequest, caller: str) -> list[torch.Tensor]:
+    def _backward(self, req: StageRequest, caller: str) -> list[torch.Tensor]:
         if self.last:
             raise BadRequestError("the last stage runs backward within forward; do not send it backward")
         if len(req.tensors) not in (1, 2):
@@ -204,7 +197,7 @@ class StageCompute:
         key = (caller, req.microbatch_id)
         cached = self._cache.get(key)
         if cached is not None:
-            protocol.check_grad(grad, tuple(cached.outputs.shape))  # a bad gradient leaves the activations cached
+            check_grad(grad, tuple(cached.outputs.shape))  # a bad gradient leaves the activations cached
             del self._cache[key]
             x, out, weights = cached.inputs, cached.outputs, cached.weights
             self.staleness.observed_delay(self.counters.optimizer_steps - cached.steps)
@@ -216,9 +209,9 @@ class StageCompute:
                     f"no forward of microbatch {req.microbatch_id} is cached here; resend backward with its inputs"
                 )
             inputs = req.tensors[1]
-            protocol.check_inputs(inputs, self.manifest, self.stage)
+            check_inputs(inputs, self.manifest, self.stage)
             batch, length = inputs.shape[:2]
-            protocol.check_grad(grad, (batch, length, self.manifest.model.width))
+            check_grad(grad, (batch, length, self.manifest.model.width))
             self.counters.recomputed_forwards += 1
             x = inputs.to(self.device)
             if not self.first:
@@ -259,7 +252,7 @@ class StageCompute:
         grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
         if scale != 1.0:
             grads = tuple(None if g is None else g.float() / scale for g in grads)
-        if not all(g is None or protocol.all_finite(g) for g in grads):
+        if not all(g is None or all_finite(g) for g in grads):
             if self.scaler.enabled and scale > self.scaler.minimum:  # at the floor: the request's fault
                 self.scaler.overflowed()
                 raise GradientOverflowError(
@@ -315,7 +308,7 @@ class StageCompute:
     # -------------------------------------------------------------------------------------- state
 
     def snapshot(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
-        """The stage's state as named CPU tensors (layout: server/state.py), and its counters."""
+        """The stage's state as named CPU tensors (layout: swarm/wire/state.py), and its counters."""
         items = state_tensors(self.param_names, self.params, self.optimizer)
         if self.averager is not None:
             items += self.averager.outer_state()
@@ -329,7 +322,7 @@ class StageCompute:
         for name, tensor in outer.items():
             if name not in shapes:
                 raise BadRequestError(f"the state holds {name[:200]!r}, which this stage does not have")
-            if tuple(tensor.shape) != shapes[name] or tensor.dtype != torch.float32 or not protocol.all_finite(tensor):
+            if tuple(tensor.shape) != shapes[name] or tensor.dtype != torch.float32 or not all_finite(tensor):
                 raise BadRequestError(f"state tensor {name!r} is not a finite float32 tensor of {list(shapes[name])}")
         return outer
 

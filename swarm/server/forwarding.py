@@ -25,7 +25,6 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,91 +32,93 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from swarm.client.checks import gradient_fingerprint
-from swarm.dht.records import PeerState, SwarmView
-from swarm.errors import BadRequestError, RemoteStageError
-from swarm.manifests.manifest import Manifest
-from swarm.routing import Router, online_peers
-from swarm.server.admission import Admission
-from swarm.server.compute import (
+from swarm.client.rpc import call_stage
+from swarm.dht.announcement_cache import AnnouncementCache
+from swarm.errors import (
+    BadRequestError,
+    DownstreamFailedError,
     DuplicateMicrobatchError,
-    StageCompute,
-    TooLateError,
-    UnknownMicrobatchError,
+    RemoteStageError,
     WrongStageError,
 )
-from swarm.server.precision import GradientOverflowError
-from swarm.server.worker import StageWorker
+from swarm.manifests.manifest import Manifest
+from swarm.routing import Router, online_peers
+from swarm.server.compute import StageCompute
+from swarm.server.request_path import RequestPath
 from swarm.watch.stats import Traffic
-from swarm.wire import protocol
+from swarm.wire.codes import ErrorCode
+from swarm.wire.hops import (
+    BLAMELESS,
+    MIN_BUDGET,
+    HopTiming,
+    check_reply,
+    decode_hops,
+    encode_hops,
+    grace,
+    onward_budget,
+)
+from swarm.wire.messages import Onward, StageRequest, make_reply, make_request
+from swarm.wire.tensors import gradient_fingerprint, wire_compression
+from swarm.wire.validation import (
+    check_inputs,
+    check_targets,
+    decode_fields,
+    decode_metadata,
+    decode_onward,
+    decode_tensors,
+    max_request_elements,
+)
 
 logger = logging.getLogger(__name__)
 
-MIN_BUDGET = 0.5  # seconds: a hop with less left does not call the next one
 NO_PEER_WAIT = 0.5
-# codes of a next hop's reply that are no fault of that peer: it is not banned for them
-BLAMELESS = ("busy", "wrong_stage", "downstream_failed", "too_late", "overflow")
-
-
-def grace(budget: float) -> float:
-    """How long a caller waits past a hop's budget before it moves on: the reply's way back, and clock-free slack
-    between 'the callee's deadline passed' and 'the caller gave up' (so a gradient applied in time is never
-    applied again elsewhere)."""
-    return 1.0 + 0.05 * budget
-
-
-def onward_budget(remaining: float, reserve: float, stages_after: int, per_stage: float) -> float:
-    """The budget for the next hop: what is left after this hop's reserve and the grace, capped so that a hop that
-    hangs leaves time to try another peer."""
-    left = remaining - reserve
-    return min(left - grace(left), per_stage * stages_after)
-
-
-class DownstreamFailed(Exception):
-    def __init__(self, message: str, code: str = "downstream_failed"):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
 class _Forwarded:
     """A hop's forward, done: what it needs for backward."""
 
-    request: protocol.StageRequest  # its tensors: [inputs, targets]
+    request: StageRequest  # its tensors: [inputs, targets]
     outputs: list[torch.Tensor]
     compute_seconds: float
+
+
+@dataclass
+class _Replayed:
+    """A repeat of a microbatch applied here already: its first reply (see StageCompute.replay)."""
+
+    tensors: list[torch.Tensor]
 
 
 class Forwarder:
     """The train requests of one served stage: the hop's compute in the worker, the call to the next stage."""
 
-    def __init__(
-        self,
-        manifest: Manifest,
-        stage: int,
-        peer_id: str,
-        admission: Admission,
-        worker: StageWorker,
-        traffic: Traffic,
-        state: Callable[[], PeerState],
-    ):
+    def __init__(self, manifest: Manifest, stage: int, peer_id: str, path: RequestPath, traffic: Traffic):
         self.manifest, self.stage, self.peer_id = manifest, stage, peer_id
-        self.admission, self.worker, self.traffic, self.state = admission, worker, traffic, state
+        self.path, self.traffic = path, traffic
         self.last = stage == manifest.num_stages - 1
-        self.max_elements = protocol.max_request_elements(manifest)
+        self.max_elements = max_request_elements(manifest)
         self.proof = manifest.proof(peer_id)
         self.router = Router()  # this hop's own observations of the next stage's peers
         self.rng = random.Random()
         self.p2p: P2P | None = None
-        self.view: SwarmView | None = None
+        self.view: AnnouncementCache | None = None
         self.forwarded = 0  # microbatches this hop passed on and brought back
         self.rerouted = 0  # next hops that failed and were replaced by another peer of their stage
-        self.too_late = 0  # gradients not applied because the hop's deadline had passed
-        self.duplicates = 0
         self.replayed = 0  # repeats of applied microbatches answered with their first reply
         self.in_flight = 0  # train requests being handled (a draining peer waits for them)
 
-    def attach(self, p2p: P2P, view: SwarmView) -> None:
+    @property
+    def too_late(self) -> int:
+        """Gradients not applied because the hop's deadline had passed."""
+        return self.path.errors[ErrorCode.TOO_LATE]
+
+    @property
+    def duplicates(self) -> int:
+        """Train requests for microbatches this hop, or the next, had already."""
+        return self.path.errors[ErrorCode.DUPLICATE]
+
+    def attach(self, p2p: P2P, view: AnnouncementCache) -> None:
         """The peer's connection and its picture of the swarm, once it serves."""
         self.p2p, self.view = p2p, view
 
@@ -138,18 +139,19 @@ class Forwarder:
 
     async def _handle(self, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
         arrival = time.monotonic()
-        admission = self.admission
-        if (refusal := admission.refusal(caller, self.state(), self.worker.seconds_per_request)) is not None:
+        path = self.path
+        if (refusal := path.refusal(caller)) is not None:
             return refusal
         try:
-            metadata = protocol.decode_metadata(request, self.manifest, caller)
-            fields = protocol.decode_fields(metadata, self.manifest)
-            onward = protocol.decode_onward(metadata, self.manifest, fields.stage)
+            metadata = decode_metadata(request, self.manifest, caller)
+            fields = decode_fields(metadata, self.manifest)
+            onward = decode_onward(metadata, self.manifest, fields.stage)
         except BadRequestError as e:
-            return admission.bad_request(caller, str(e))
+            return path.error_reply("train", caller, e)
         deadline = arrival + onward.budget
-        forwarded = await self._in_worker(
-            lambda c: _forward(c, request, fields, caller, self.max_elements, deadline), caller
+        max_elements = self.max_elements
+        forwarded = await path.run(
+            "train", caller, lambda c: _forward(c, request, fields, caller, max_elements, deadline)
         )
         if isinstance(forwarded, runtime_pb2.ExpertResponse):
             return forwarded
@@ -161,18 +163,16 @@ class Forwarder:
         inputs, targets = forwarded.request.tensors
         try:
             outputs, hops = await self._onward(fields, onward, forwarded.outputs[0], targets, deadline)
-        except DownstreamFailed as e:
+        except (DownstreamFailedError, DuplicateMicrobatchError) as e:
             if fields.train:
-                await self.worker.run(lambda c: c.settle(fields.microbatch_id, False, caller))
-            if e.code == "duplicate":
-                self.duplicates += 1
-            return protocol.make_error_reply(f"stage {self.stage}: {e}", e.code)
+                await path.worker.run(lambda c: c.settle(fields.microbatch_id, False, caller))
+            return path.error_reply("train", caller, e)
         if not fields.train:
             return self._reply(outputs, forwarded.compute_seconds, arrival, hops)
         loss, grad = outputs
-        backward = protocol.StageRequest(fields.stage, fields.microbatch_id, True, [grad, inputs])
+        backward = StageRequest(fields.stage, fields.microbatch_id, True, [grad, inputs])
         # backward of a forward taken on is never refused: its slot is taken without admission's checks
-        result = await self._in_worker(lambda c: _backward(c, backward, caller, deadline, loss), caller)
+        result = await path.run("train", caller, lambda c: _backward(c, backward, caller, deadline, loss))
         if isinstance(result, runtime_pb2.ExpertResponse):
             return result
         grads, seconds = result
@@ -180,50 +180,31 @@ class Forwarder:
         fingerprint = gradient_fingerprint(grad)  # on every train microbatch: a hop cannot tell which is a check
         return self._reply([loss, *grads], forwarded.compute_seconds + seconds, arrival, hops, fingerprint)
 
-    async def _in_worker(self, fn: Callable[[StageCompute], object], caller: str):
-        """`fn` in the worker under one of the caller's request slots (freed when the work is done); a refusal it
-        returns becomes the reply, a bad request counted against its sender."""
-        self.admission.take_slot(caller)
-        work = self.worker.submit(fn)
-        work.add_done_callback(lambda _: self.admission.release_slot(caller))
-        result = await asyncio.shield(work)
-        if isinstance(result, _Refused):
-            self.too_late += result.code == "too_late"
-            self.duplicates += result.code == "duplicate"
-            if result.bad_request is not None:
-                logger.info(f"bad train request from {caller[-8:]}: {result.bad_request}")
-                return self.admission.bad_request(caller, result.bad_request)
-            return result.reply
-        return result
-
     def _reply(
         self,
         tensors: list[torch.Tensor],
         compute: float,
         arrival: float,
-        later: list[protocol.HopTiming],
+        later: list[HopTiming],
         gradient_print: list[float] | None = None,
     ) -> runtime_pb2.ExpertResponse:
-        total = time.monotonic() - arrival
-        here: list = [self.peer_id, round(compute, 6), round(max(total, compute), 6)]
-        hops = [here + [gradient_print]] if gradient_print else [here]
-        hops += [[h.peer_id, h.compute, h.total, list(h.gradient_print)] for h in later]
-        return protocol.make_reply(tensors, protocol.wire_compression(self.manifest), hops=hops)
+        here = HopTiming(self.peer_id, compute, time.monotonic() - arrival, tuple(gradient_print or ()))
+        return make_reply(tensors, wire_compression(self.manifest), hops=encode_hops(here, later))
 
     # ------------------------------------------------------------------------------- the next hop
 
     async def _onward(
         self,
-        fields: protocol.StageRequest,
-        onward: protocol.Onward,
+        fields: StageRequest,
+        onward: Onward,
         hidden: torch.Tensor,
         targets: torch.Tensor,
         deadline: float,
-    ) -> tuple[list[torch.Tensor], list[protocol.HopTiming]]:
+    ) -> tuple[list[torch.Tensor], list[HopTiming]]:
         """Send the output to a peer of the next stage (the route's, else the best by this hop's observations),
-        and on failure to others, until the budget runs out. The reply's tensors, checked, and its hop timings."""
-        from swarm.client.rpc import call_stage  # the client calls this module's handlers: import on use
-
+        and on failure to others, until the budget runs out. The reply's tensors, checked, and its hop timings.
+        Raises DownstreamFailedError when the budget ran out, DuplicateMicrobatchError when the next stage has
+        this microbatch already."""
         assert self.p2p is not None and self.view is not None, "attach first"
         following = self.stage + 1
         stages_after = self.manifest.num_stages - following
@@ -234,11 +215,13 @@ class Forwarder:
         tried: set[str] = set()
         last_error: Exception | None = None
         while True:
-            reserve = 1.0 + 3 * self.worker.seconds_per_request  # this hop's backward
+            reserve = 1.0 + 3 * self.path.worker.seconds_per_request  # this hop's backward
             remaining = deadline - time.monotonic()
             budget = onward_budget(remaining, reserve, stages_after, timeouts.forward + timeouts.backward)
             if budget < MIN_BUDGET:
-                raise DownstreamFailed(f"no time left to reach stage {following} (last error: {last_error!r})")
+                raise DownstreamFailedError(
+                    f"stage {self.stage}: no time left to reach stage {following} (last error: {last_error!r})"
+                )
             peer_id = await self._choose(following, preferred, tried, samples)
             if peer_id is None:
                 tried.clear()
@@ -247,7 +230,7 @@ class Forwarder:
             if tried:
                 self.rerouted += 1
             tried.add(peer_id)
-            request = protocol.make_request(
+            request = make_request(
                 self.manifest,
                 following,
                 fields.microbatch_id,
@@ -264,7 +247,7 @@ class Forwarder:
                 self.traffic.activation_sent += request.ByteSize()
                 self.traffic.activation_received += reply.ByteSize()
                 outputs = check_reply(reply, expect, self.max_elements)
-                hops = protocol.decode_hops(reply, stages_after)
+                hops = decode_hops(reply, stages_after)
                 took = time.monotonic() - begin
                 here = hops[0] if hops and hops[0].peer_id == peer_id else None
                 # the next peer's time: its compute and the transfer to and from it (not the stages after it)
@@ -273,8 +256,10 @@ class Forwarder:
                 return outputs, hops
             except RemoteStageError as e:
                 last_error = e
-                if e.code == "duplicate":
-                    raise DownstreamFailed(f"stage {following} has this microbatch already", "duplicate") from None
+                if e.code == ErrorCode.DUPLICATE:
+                    raise DuplicateMicrobatchError(
+                        f"stage {self.stage}: stage {following} has this microbatch already"
+                    ) from None
                 if e.code not in BLAMELESS:
                     self._ban(peer_id, f"train on stage {following}: {e}")
             except asyncio.CancelledError:
@@ -303,107 +288,56 @@ class Forwarder:
         logger.info(f"stage {self.stage}: not sending to {peer_id[-8:]} for {seconds:.0f}s: {reason}")
 
 
-def check_reply(
-    reply: runtime_pb2.ExpertResponse, expect: list[tuple[int, ...]], max_elements: int
-) -> list[torch.Tensor]:
-    """The tensors of a stage's reply, which must be finite float32 tensors of exactly the `expect`ed shapes;
-    raises RemoteStageError otherwise (or for an error reply)."""
-    outputs = protocol.decode_reply(reply, max_elements)
-    shapes = [tuple(t.shape) for t in outputs]
-    if shapes != [tuple(e) for e in expect] or any(t.dtype != torch.float32 for t in outputs):
-        raise RemoteStageError(
-            f"malformed reply: expected float32 tensors of shapes {expect}, got {shapes}", "internal"
-        )
-    if not all(protocol.all_finite(t) for t in outputs):
-        raise RemoteStageError("the reply contains NaN or Inf", "internal")
-    return outputs
-
-
 # --------------------------------------------------------------------------------- in the worker
 
 
 def _forward(
     compute: StageCompute,
     request: runtime_pb2.ExpertRequest,
-    fields: protocol.StageRequest,
+    fields: StageRequest,
     caller: str,
     max_elements: int,
     deadline: float,
-) -> _Forwarded | _Replayed | _Refused:
+) -> _Forwarded | _Replayed:
     """A hop's forward: read the tensors [inputs, targets], take the microbatch on (once), run forward (the last
-    stage: forward, loss and backward). An error reply for what it cannot serve."""
+    stage: forward, loss and backward). Raises what it cannot serve (the microbatch is let go again)."""
     begin = time.perf_counter()
     claimed = False
     try:
-        req = protocol.decode_tensors(request, fields, max_elements)
+        req = decode_tensors(request, fields, max_elements)
         if len(req.tensors) != 2:
             raise BadRequestError(f"a train request carries [inputs, targets], got {len(req.tensors)} tensors")
         if req.stage != compute.stage:
             raise WrongStageError(f"this peer serves stage {compute.stage} now, not stage {req.stage}")
         inputs, targets = req.tensors
-        protocol.check_inputs(inputs, compute.manifest, compute.stage)
-        protocol.check_targets(targets, inputs, compute.manifest.model.vocab_size)
+        check_inputs(inputs, compute.manifest, compute.stage)
+        check_targets(targets, inputs, compute.manifest.model.vocab_size)
         if req.train:
             if (replay := compute.replay(req.microbatch_id)) is not None:
                 return _Replayed(replay)
             compute.claim(req.microbatch_id)
             claimed = True
         tensors = req.tensors if compute.last else [inputs]
-        step = protocol.StageRequest(req.stage, req.microbatch_id, req.train, tensors)
+        step = StageRequest(req.stage, req.microbatch_id, req.train, tensors)
         outputs = compute.process("forward", step, caller, apply_before=deadline)
         if compute.last and claimed:
             compute.settle(req.microbatch_id, True, caller, reply=outputs)
         return _Forwarded(req, outputs, time.perf_counter() - begin)
-    except Exception as e:
+    except Exception:
         if claimed:
             compute.settle(fields.microbatch_id, False, caller)
-        return _error_reply(e)
+        raise
 
 
 def _backward(
-    compute: StageCompute, req: protocol.StageRequest, caller: str, deadline: float, loss: torch.Tensor
-) -> tuple[list[torch.Tensor], float] | _Refused:
+    compute: StageCompute, req: StageRequest, caller: str, deadline: float, loss: torch.Tensor
+) -> tuple[list[torch.Tensor], float]:
     """A hop's backward with the gradient the next stage sent back: ([grad of inputs] or [], seconds)."""
     begin = time.perf_counter()
     try:
         grads = compute.process("backward", req, caller, apply_before=deadline)
         compute.settle(req.microbatch_id, True, caller, reply=[loss, *grads])
         return grads, time.perf_counter() - begin
-    except Exception as e:
+    except Exception:
         compute.settle(req.microbatch_id, False, caller)
-        return _error_reply(e)
-
-
-@dataclass
-class _Replayed:
-    """A repeat of a microbatch applied here already: its first reply (see StageCompute.replay)."""
-
-    tensors: list[torch.Tensor]
-
-
-@dataclass
-class _Refused:
-    """What the worker could not do: an error reply, or (bad_request) why the request was bad, which the event
-    loop counts against its sender."""
-
-    reply: runtime_pb2.ExpertResponse | None = None
-    bad_request: str | None = None
-    code: str = ""
-
-
-_CODES = {
-    DuplicateMicrobatchError: "duplicate",
-    TooLateError: "too_late",
-    GradientOverflowError: "overflow",
-    WrongStageError: "wrong_stage",
-    UnknownMicrobatchError: "unknown_microbatch",
-}
-
-
-def _error_reply(e: Exception) -> _Refused:
-    if isinstance(e, BadRequestError):
-        return _Refused(bad_request=str(e))
-    if type(e) in _CODES:
-        return _Refused(protocol.make_error_reply(str(e), _CODES[type(e)]), code=_CODES[type(e)])
-    logger.exception("a train request failed")
-    return _Refused(protocol.make_error_reply(f"internal error on the stage peer: {type(e).__name__}: {e}", "internal"))
+        raise

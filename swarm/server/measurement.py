@@ -11,7 +11,8 @@ import torch
 from hivemind.p2p import P2P
 
 from swarm.client.rpc import probe_bandwidth
-from swarm.dht.records import PeerState, SwarmView
+from swarm.dht.announcement_cache import AnnouncementCache
+from swarm.dht.records import PeerState
 from swarm.manifests.manifest import Manifest
 from swarm.server.stage import ServingOptions
 from swarm.throughput import (
@@ -31,7 +32,13 @@ PROBED_PEERS = 2  # online peers tried, at random, for a bandwidth measurement
 
 class ThroughputMeter:
     def __init__(
-        self, manifest: Manifest, p2p: P2P, peer_id: str, device: torch.device, options: ServingOptions, view: SwarmView
+        self,
+        manifest: Manifest,
+        p2p: P2P,
+        peer_id: str,
+        device: torch.device,
+        options: ServingOptions,
+        view: AnnouncementCache,
     ):
         self.manifest, self.p2p, self.peer_id, self.device = manifest, p2p, peer_id, device
         self.options, self.view = options, view

@@ -11,11 +11,9 @@ none (scale 1, never changes).
 from __future__ import annotations
 
 
-class GradientOverflowError(Exception):
-    """A float16 backward pass overflowed: nothing was applied, and the stage's loss scale was halved."""
-
-
 class LossScaler:
+    """The loss scale of one stage; an overflow is raised by its user as swarm.errors.GradientOverflowError."""
+
     def __init__(
         self, enabled: bool, initial: float = 2.0**16, growth_interval: int = 2000, minimum: float = 1.0
     ) -> None:

@@ -16,18 +16,19 @@ import random
 import time
 from dataclasses import dataclass
 
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from multiaddr import Multiaddr
 
-from swarm.dht.joining import daemon_sockets, remove_stale_sockets
-from swarm.dht.records import PeerState, SwarmView, fetch_trainer_reports
+from swarm.dht.announcement_cache import AnnouncementCache
+from swarm.dht.node import daemon_sockets, remove_stale_sockets
+from swarm.dht.records import PeerState, fetch_trainer_reports
 from swarm.manifests.manifest import Manifest
-from swarm.wire.protocol import MSGPackSerializer, unpack
+from swarm.wire.messages import pack, unpack
+from swarm.wire.rpc import ReachabilityRPC
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "swarm.reachability"
 MAX_CLAIMED_ADDRS = 8  # a check dials at most this many of the addresses the asker claims
 MAX_ADDR_LENGTH = 256
 DIAL_TIMEOUT = 5.0
@@ -99,7 +100,7 @@ def ip_of(addr: Multiaddr) -> str | None:
     return None
 
 
-class ReachabilityService(ServicerBase):
+class ReachabilityService(ReachabilityRPC):
     """Every peer answers "can you dial me?" by dialing the asker from a probe daemon.
 
     It dials only the asker's own peer id, and only at addresses on the IP the asker is connected from, so a
@@ -125,7 +126,7 @@ class ReachabilityService(ServicerBase):
         started = time.monotonic()
         reachable, error = await self._check(request, context)
         reply = {"reachable": reachable, "error": error, "seconds": round(time.monotonic() - started, 3)}
-        return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(reply))
+        return runtime_pb2.ExpertResponse(metadata=pack(reply))
 
     async def _check(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> tuple[bool | None, str]:
         """(verdict, why); None: this helper cannot tell (busy, asked again too soon, or its probe does not work)."""
@@ -205,9 +206,9 @@ class ReachabilityService(ServicerBase):
 
 async def _ask(p2p: P2P, helper: str, maddrs: list[str], proof: str | None) -> dict:
     try:
-        stub = ReachabilityService.get_stub(p2p, PeerID.from_base58(helper), namespace=NAMESPACE)
+        stub = ReachabilityRPC.stub(p2p, helper)
         fields = {"maddrs": maddrs} if proof is None else {"maddrs": maddrs, "proof": proof}
-        request = runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps(fields))
+        request = runtime_pb2.ExpertRequest(metadata=pack(fields))
         reply = await asyncio.wait_for(stub.rpc_check(request, timeout=CHECK_TIMEOUT), CHECK_TIMEOUT)
         answer = unpack(reply.metadata)
         if not isinstance(answer, dict) or not (
@@ -264,7 +265,7 @@ async def check_reachability(
 class ReverseConnector:
     """Keeps a connection open from this (undialable) peer to every peer that may call it."""
 
-    def __init__(self, p2p: P2P, view: SwarmView, own_peer_id: str, period: float):
+    def __init__(self, p2p: P2P, view: AnnouncementCache, own_peer_id: str, period: float):
         self.p2p, self.view, self.own_peer_id, self.period = p2p, view, own_peer_id, period
         self.connected: set[str] = set()  # peers connected after the last round of dials
         self.dialed: set[str] = set()  # those this peer dialed in that round

@@ -1,6 +1,10 @@
 """Which stage this peer serves: the choice on join, balance checks, and moves when the swarm is unbalanced.
 
-The decisions are swarm/balancing.py's pure functions over the peers' announcements; this module does the I/O
+The Rebalancer decides and performs moves, nothing more: what the peer shares between its parts (its view of the
+swarm, its traffic, its network position, its start time) is the peer's context (swarm/peer/context.py), which
+the Rebalancer hands on to each StageServer it starts.
+
+The decisions are swarm/balancing/moves.py's pure functions over the peers' announcements; this module does the I/O
 around them: it reads the DHT, asks server/measurement.py for throughput and server/takeover.py for the stage's
 state, and switches from one StageServer to the next. The order of a join and of a move (a move downloads the
 target's state before it leaves the old stage, and is called off if it cannot): docs/ARCHITECTURE.md,
@@ -12,27 +16,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections.abc import Callable
 
-import torch
-from hivemind import DHT
-from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarm.architectures.model import build_stage
-from swarm.balancing import PeerLoad, choose_stage, peer_loads, should_move, stage_totals
-from swarm.dht.records import PeerState, SwarmView
+from swarm.balancing.moves import PeerLoad, choose_stage, peer_loads, should_move, stage_totals
+from swarm.dht.records import PeerState
 from swarm.errors import ManifestError, PeerStartError, SwarmError
 from swarm.events import Event, EventKind, OnEvent, ignore
-from swarm.manifests.manifest import Manifest
-from swarm.network.coordinates import Vivaldi
+from swarm.peer.context import PeerContext
 from swarm.server.announcer import announced_rate
 from swarm.server.measurement import ThroughputMeter
 from swarm.server.stage import ServingOptions, StageServer
 from swarm.server.takeover import StateTakeover, other_online_peers
 from swarm.throughput import Throughput
-from swarm.watch.stats import Traffic
 
 logger = logging.getLogger(__name__)
 
@@ -41,28 +39,22 @@ DRAIN_TIMEOUT = 30.0
 
 
 class Rebalancer:
+    """Serves one stage at a time: `server` is the current one (None until `start`), `moves` counts the moves."""
+
     def __init__(
         self,
-        manifest: Manifest,
-        dht: DHT,
-        p2p: P2P,
-        peer_id: str,
-        device: torch.device,
+        context: PeerContext,
         options: ServingOptions,
         on_switch: Callable[[StageServer], None] = lambda server: None,
         on_event: OnEvent = ignore,
     ):
-        self.manifest, self.dht, self.p2p, self.peer_id = manifest, dht, p2p, peer_id
-        self.device, self.options, self.on_switch, self.on_event = device, options, on_switch, on_event
-        self.view = SwarmView(dht, manifest.swarm_id, manifest.num_stages, max_age=manifest.network.announce_period)
-        self.meter = ThroughputMeter(manifest, p2p, peer_id, device, options, self.view)
-        self.takeover = StateTakeover(manifest, p2p, self.view, peer_id, on_event)
+        self.context, self.options, self.on_switch, self.on_event = context, options, on_switch, on_event
+        self.manifest, self.peer_id = context.manifest, context.peer_id
+        self.meter = ThroughputMeter(self.manifest, context.p2p, self.peer_id, context.device, options, context.view)
+        self.takeover = StateTakeover(self.manifest, context.p2p, context.view, self.peer_id, on_event)
         self.rng = random.Random()
-        self.started = time.monotonic()
         self.server: StageServer | None = None
         self.moves = 0
-        self.traffic = Traffic()  # bytes moved by this peer's servers and trainer
-        self.position = Vivaldi()  # this peer's network coordinate, announced by its servers (client/pinger.py)
 
     # -------------------------------------------------------------------------------------------- join
 
@@ -80,14 +72,14 @@ class Rebalancer:
                 stage = choose_stage(loads, self.manifest.num_stages, self.rng, exclude_peer=self.peer_id)
                 logger.info(f"at a second look another stage is the bottleneck; taking stage {stage}")
                 server = await self._prepare(stage)
-        await server.join(self.dht, self.p2p)
+        await server.join(self.context.dht, self.context.p2p)
         if not await self.takeover.into(server, reason="join"):
             await server.shutdown()
             raise PeerStartError(
                 f"could not download the state of stage {server.stage} from any of its online peers; "
                 "check that they are reachable from here, then start again"
             )
-        await server.start(self.view)
+        await server.start(self.context.view)
         self._switch_to(server)
         return server
 
@@ -98,21 +90,22 @@ class Rebalancer:
 
     async def _prepare(self, stage: int) -> StageServer:
         """A server for `stage` with its seed-initialised model and measured throughput; not yet announced."""
-        model = build_stage(self.manifest, stage).to(self.device)
+        context = self.context
+        model = build_stage(self.manifest, stage).to(context.device)
         throughput = await self.meter.measure(stage, model)
         return StageServer(
             self.manifest,
             stage,
             model,
-            self.device,
+            context.device,
             self.peer_id,
             throughput,
             self.options,
             simulated=self.meter.simulated.get(stage),
-            started=self.started,
-            traffic=self.traffic,
+            started=context.started,
+            traffic=context.traffic,
             on_event=self.on_event,
-            position=self.position,
+            position=context.position,
         )
 
     # ---------------------------------------------------------------------------------------- moves
@@ -164,7 +157,7 @@ class Rebalancer:
         logger.info(f"moving from stage {old.stage} to stage {target}")
         new = await self._prepare(target)
         try:
-            await new.join(self.dht, self.p2p)
+            await new.join(self.context.dht, self.context.p2p)
             # a target without online peers has lost its state anyway (they all died): start it afresh
             try:
                 taken = await self.takeover.into(new, reason="move")
@@ -177,8 +170,8 @@ class Rebalancer:
                 await new.shutdown()
                 return False
             # plans chain moves (A goes to T, so B may leave T for U): never leave a stage before the peer that
-            # replaces us is online, or T's trained state would go with us
-            if not await other_online_peers(self.view, old.stage, self.peer_id):  # records were just read afresh
+            # replaces us is online, or T's trained state would go with us (the records were just read afresh)
+            if not await other_online_peers(self.context.view, old.stage, self.peer_id):
                 logger.warning(f"move to stage {target} called off: this peer is the last one of stage {old.stage}")
                 await new.shutdown()
                 return False
@@ -188,7 +181,7 @@ class Rebalancer:
         await old.drain(DRAIN_TIMEOUT)
         await old.shutdown()
         try:
-            await new.start(self.view)
+            await new.start(self.context.view)
         except Exception as e:
             await new.shutdown()
             raise SwarmError(f"after leaving stage {old.stage}, serving stage {target} failed: {e!r}") from e
@@ -207,7 +200,7 @@ class Rebalancer:
 
     async def _loads(self, force: bool = True) -> list[PeerLoad]:
         """Balancing's picture of the swarm: fresh from the DHT if `force`, else at most an announce period old."""
-        loads = peer_loads(await self.view.all_stages(force=force), get_dht_time())
+        loads = peer_loads(await self.context.view.all_stages(force=force), get_dht_time())
         if self.server is not None and self.server.state == PeerState.ONLINE:
             # this peer's own record in the DHT may be a few seconds old: use the truth
             loads = [load for load in loads if load.peer_id != self.peer_id]

@@ -21,7 +21,6 @@ from hivemind.utils import get_dht_time
 
 from swarm.averaging.averager import StageAverager
 from swarm.averaging.rules import (
-    AveragingError,
     ProgressSeen,
     RoundProgress,
     current_round,
@@ -29,12 +28,15 @@ from swarm.averaging.rules import (
     round_payload_bytes,
     swarm_samples_in_round,
 )
-from swarm.dht.records import PeerState, SwarmView, announcement_lifetime
+from swarm.client.rpc import download_state
+from swarm.dht.announcement_cache import AnnouncementCache
+from swarm.dht.records import PeerState, announcement_lifetime
+from swarm.errors import AveragingError
 from swarm.events import Event, EventKind, OnEvent, RoundOutcome, StateSource
 from swarm.manifests.manifest import Manifest
-from swarm.server.stage_state import stage_state_shapes
 from swarm.server.worker import StageWorker
 from swarm.watch.stats import Traffic
+from swarm.wire.state import stage_state_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class AveragingRounds:
         self.manifest, self.stage, self.peer_id = manifest, stage, peer_id
         self.worker, self.averager, self.traffic, self.counters = worker, averager, traffic, counters
         self.announce, self.on_event = announce, on_event
-        self._view: SwarmView | None = None
+        self._view: AnnouncementCache | None = None
         self._p2p: P2P | None = None
         self._last_seen: dict[str, float] = {}  # peer id -> DHT time this peer last saw it online in the stage
         self._progress: dict[str, ProgressSeen] = {}  # peer id -> its last announced round progress
@@ -89,10 +91,10 @@ class AveragingRounds:
     def round_samples(self) -> int:
         return self.worker.counters.samples_served - self.counters.round_started_at
 
-    async def run(self, dht: DHT, p2p: P2P, view: SwarmView | None) -> None:
+    async def run(self, dht: DHT, p2p: P2P, view: AnnouncementCache | None) -> None:
         """Take part in the stage's rounds, whenever one is due; a failed round is logged and skipped."""
         self._p2p = p2p
-        self._view = view or SwarmView(
+        self._view = view or AnnouncementCache(
             dht, self.manifest.swarm_id, self.manifest.num_stages, self.manifest.network.announce_period
         )
         while True:
@@ -161,7 +163,6 @@ class AveragingRounds:
         one round behind, it takes the stage's anchor and outer momentum and keeps its own local steps on top
         (they go into its next pseudo-gradient: dropping them throws away a replica's work at every round it
         misses); further behind, the whole state."""
-        from swarm.client.rpc import download_state  # the client imports the server's service for its stubs
 
         behind = stage_round - self.round
         served = self.worker.counters.samples_served

@@ -3,57 +3,50 @@
 Why our own ServicerBase and not hivemind.moe (docs/ARCHITECTURE.md): every request is validated before it
 touches the model, backward uses the activations forward kept, gradients accumulate over several microbatches,
 and bad requests get an error reply instead of an exception. Handlers run on the event loop; model work runs in
-the stage's worker (server/compute.py). Besides forward and backward (unary, or streamed when large), a stage
-answers a bandwidth probe, a download of its state, and a request for the swarm's manifest.
+the stage's worker (server/compute.py), along the one request path (server/request_path.py) that forwarded
+microbatches (server/forwarding.py) take too. Besides forward and backward (unary, or streamed when large), a
+stage answers a bandwidth probe, a download of its state, a chunk of the swarm's tokenizer and a request for the
+swarm's manifest. The RPCs' names and types are declared in swarm/wire/rpc.py (StageRPC), which this implements.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import AsyncIterator  # noqa: UP035 (hivemind detects streams by typing.AsyncIterator only)
 
 import torch
-from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarm.dataset import tokenizer_source
 from swarm.dht.records import PeerState
 from swarm.errors import BadRequestError, SwarmError
 from swarm.manifests.manifest import Manifest
-from swarm.server.admission import Admission
-from swarm.server.compute import StageCompute, UnknownMicrobatchError, WrongStageError
+from swarm.server.compute import StageCompute
 from swarm.server.forwarding import Forwarder
-from swarm.server.precision import GradientOverflowError
-from swarm.server.worker import StageWorker
+from swarm.server.request_path import RequestPath
 from swarm.throughput import PROBE_BYTES
 from swarm.watch.stats import Traffic
-from swarm.wire import protocol
+from swarm.wire.codes import ErrorCode
+from swarm.wire.messages import combine_message, make_error_reply, make_reply, pack, split_message
+from swarm.wire.rpc import TOKENIZER_CHUNK_BYTES, StageRPC
+from swarm.wire.tensors import wire_compression
+from swarm.wire.validation import decode_metadata, decode_request, max_message_bytes, max_request_elements
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "swarm"
 MAX_CONTROL_REQUEST_BYTES = 2**20  # a state request is tiny; a larger one is read to its end, so its refusal arrives
 MAX_DRAINS = 8  # refused request streams read to their end at once (so that their reply arrives); more are cut
 MAX_CONTROL_CALLS = 4  # state downloads served at once; each holds up to a stage's state in memory
 
 
-class StageService(ServicerBase):
-    def __init__(
-        self,
-        manifest: Manifest,
-        stage: int,
-        admission: Admission,
-        worker: StageWorker,
-        traffic: Traffic,
-        state: Callable[[], PeerState],
-        forwarder: Forwarder,
-    ):
-        self.manifest, self.stage, self.forwarder = manifest, stage, forwarder
-        self.admission, self.worker, self.traffic, self.state = admission, worker, traffic, state
-        self.max_elements = protocol.max_request_elements(manifest)
-        self.max_message_bytes = protocol.max_message_bytes(manifest)
+class StageService(StageRPC):
+    def __init__(self, manifest: Manifest, stage: int, path: RequestPath, traffic: Traffic, forwarder: Forwarder):
+        self.manifest, self.stage, self.forwarder, self.path, self.traffic = manifest, stage, forwarder, path, traffic
+        self.admission, self.worker, self.state = path.admission, path.worker, path.state
+        self.max_elements = max_request_elements(manifest)
+        self.max_message_bytes = max_message_bytes(manifest)
         self._drains = 0
         self._control_calls = 0
         self._tokenizer: bytes | None = None  # the swarm's tokenizer file, read from the cache once asked for
@@ -73,19 +66,19 @@ class StageService(ServicerBase):
     async def rpc_train_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        for part in protocol.split_message(await self._handle_stream("train", requests, context)):
+        for part in split_message(await self._handle_stream("train", requests, context)):
             yield part
 
     async def rpc_forward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        for part in protocol.split_message(await self._handle_stream("forward", requests, context)):
+        for part in split_message(await self._handle_stream("forward", requests, context)):
             yield part
 
     async def rpc_backward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        for part in protocol.split_message(await self._handle_stream("backward", requests, context)):
+        for part in split_message(await self._handle_stream("backward", requests, context)):
             yield part
 
     async def _handle_remote(
@@ -104,7 +97,7 @@ class StageService(ServicerBase):
         # A stream holds memory while it arrives: it takes a request slot and has the forward timeout to finish.
         caller = str(context.remote_id)
         admission = self.admission
-        if (refusal := admission.refusal(caller, self.state(), self.worker.seconds_per_request)) is not None:
+        if (refusal := self.path.refusal(caller)) is not None:
             if not admission.banned(caller):  # a banned peer's stream is not read at all
                 await self._drain(requests)
             return refusal
@@ -112,20 +105,20 @@ class StageService(ServicerBase):
             try:
                 first = await asyncio.wait_for(anext(requests), timeout=self.manifest.training.timeouts.forward)
             except (StopAsyncIteration, TimeoutError):
-                return protocol.make_error_reply("the request stream did not start in time", "bad_request")
+                return make_error_reply("the request stream did not start in time", ErrorCode.BAD_REQUEST)
             if (refusal := admission.outsider_refusal(first.metadata, caller)) is not None:
                 await self._drain(requests)  # no slot taken; bounded like every refused stream's
                 return refusal
             requests = _prepend(first, requests)
         admission.take_slot(caller)
         try:
-            combine = protocol.combine_message(requests, runtime_pb2.ExpertRequest, self.max_message_bytes)
+            combine = combine_message(requests, runtime_pb2.ExpertRequest, self.max_message_bytes)
             request = await asyncio.wait_for(combine, timeout=self.manifest.training.timeouts.forward)
         except BadRequestError as e:
             await self._drain(requests)
-            return admission.bad_request(caller, str(e))
+            return self.path.error_reply(kind, caller, e)
         except TimeoutError:  # a slow link is no offence: not counted towards a ban
-            return protocol.make_error_reply("the request stream did not finish in time", "bad_request")
+            return make_error_reply("the request stream did not finish in time", ErrorCode.BAD_REQUEST)
         finally:
             admission.release_slot(caller)
         return await self._handle_remote(kind, request, caller)
@@ -156,20 +149,16 @@ class StageService(ServicerBase):
         """Process one request; also called directly by this peer's own trainer (libp2p cannot dial itself)."""
         if kind == "train":
             return await self.forwarder.handle(request, caller)
-        admission = self.admission
-        if (refusal := admission.refusal(caller, self.state(), self.worker.seconds_per_request)) is not None:
+        if (refusal := self.path.refusal(caller)) is not None:
             return refusal
-        admission.take_slot(caller)
         max_elements = self.max_elements
-        work = self.worker.submit(lambda compute: _serve(compute, kind, request, caller, max_elements))
-        # The slot is freed when the work is done, not when the caller gives up: cancelled calls still occupy
-        # the worker until their turn has passed.
-        work.add_done_callback(lambda _: admission.release_slot(caller))
-        reply, bad_request = await asyncio.shield(work)
-        if bad_request is not None:
-            logger.info(f"bad {kind} request from {caller[-8:]}: {bad_request}")
-            return admission.bad_request(caller, bad_request)
-        return reply
+
+        def serve(compute: StageCompute) -> runtime_pb2.ExpertResponse:  # in the worker: decode, compute, encode
+            req = decode_request(request, compute.manifest, max_elements, caller)
+            outputs = compute.process(kind, req, caller)
+            return make_reply(outputs, wire_compression(compute.manifest))
+
+        return await self.path.run(kind, caller, serve)
 
     # ------------------------------------------------------------------------------------ control calls
 
@@ -179,18 +168,18 @@ class StageService(ServicerBase):
         if (refusal := self.admission.ban_refusal(caller)) is not None:
             return refusal
         try:
-            metadata = protocol.decode_metadata(request, self.manifest, caller)
+            metadata = decode_metadata(request, self.manifest, caller)
             reply_bytes = metadata.get("reply_bytes", 0)
             if not isinstance(reply_bytes, int) or not 0 <= reply_bytes <= PROBE_BYTES:
                 raise BadRequestError(f"reply_bytes must be an integer from 0 to {PROBE_BYTES}")
         except BadRequestError as e:
             return self.admission.bad_request(caller, str(e))
-        return protocol.make_reply([torch.zeros(reply_bytes // 4)])
+        return make_reply([torch.zeros(reply_bytes // 4)])
 
     async def rpc_download_state(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Stream this stage's state (server/state.py) to a peer that starts serving the stage.
+        """Stream this stage's state (swarm/wire/state.py) to a peer that starts serving the stage.
 
         The request is one message, taken as a stream so that a request that never ends (hivemind would wait for
         its end without a timeout) is dropped after the forward timeout, like any request stream."""
@@ -228,7 +217,7 @@ class StageService(ServicerBase):
             return
         (request,) = messages
         try:
-            metadata = protocol.decode_metadata(request, self.manifest, caller)
+            metadata = decode_metadata(request, self.manifest, caller)
             if type(metadata.get("stage")) is not int or metadata["stage"] != self.stage:
                 raise BadRequestError(f"this peer serves stage {self.stage}, not {str(metadata.get('stage'))[:20]}")
         except BadRequestError as e:
@@ -241,11 +230,9 @@ class StageService(ServicerBase):
         try:
             # taken in the worker thread, between two requests, so parameters and statistics match
             items, counters = await self.worker.run(lambda compute: compute.snapshot())
-            reply = protocol.make_reply([tensor for _, tensor in items])
-            reply.metadata = protocol.MSGPackSerializer.dumps(
-                {"ok": True, "names": [name for name, _ in items], **counters}
-            )
-            for part in protocol.split_message(reply):
+            reply = make_reply([tensor for _, tensor in items])
+            reply.metadata = pack({"ok": True, "names": [name for name, _ in items], **counters})
+            for part in split_message(reply):
                 yield part
         finally:
             self._control_calls -= 1
@@ -256,19 +243,17 @@ class StageService(ServicerBase):
         """A chunk of the swarm's tokenizer file, from `offset` (swarm/dataset/tokenizer_source.py): a joining peer that
         has not got it asks here. Only a copy whose hash is the manifest's is handed out."""
         try:
-            metadata = protocol.decode_metadata(request, self.manifest, str(context.remote_id))
+            metadata = decode_metadata(request, self.manifest, str(context.remote_id))
             offset = metadata.get("offset", 0)
             if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
                 raise BadRequestError("offset must be a non-negative integer")
         except BadRequestError as e:
-            return protocol.make_error_reply(str(e), "bad_request")
+            return make_error_reply(str(e), ErrorCode.BAD_REQUEST)
         data = self._tokenizer_file()
         if data is None:
-            return protocol.make_error_reply("this peer has no copy of the swarm's tokenizer", "bad_request")
-        chunk = data[offset : offset + tokenizer_source.CHUNK_BYTES]
-        return runtime_pb2.ExpertResponse(
-            metadata=protocol.MSGPackSerializer.dumps({"ok": True, "total": len(data), "data": chunk})
-        )
+            return make_error_reply("this peer has no copy of the swarm's tokenizer", ErrorCode.BAD_REQUEST)
+        chunk = data[offset : offset + TOKENIZER_CHUNK_BYTES]
+        return runtime_pb2.ExpertResponse(metadata=pack({"ok": True, "total": len(data), "data": chunk}))
 
     def _tokenizer_file(self) -> bytes | None:
         if not self.manifest.data.tokenizer:
@@ -288,35 +273,11 @@ class StageService(ServicerBase):
         id yet, so the request carries nothing to check). A private swarm's peers do not hand it out: the
         manifest names the secret's file, and a joiner needs that file anyway."""
         if self.manifest.private:
-            return protocol.make_error_reply(
+            return make_error_reply(
                 "this swarm is private: join it with its manifest file, next to the secret file the manifest names",
-                "bad_request",
+                ErrorCode.BAD_REQUEST,
             )
-        return runtime_pb2.ExpertResponse(
-            metadata=protocol.MSGPackSerializer.dumps({"ok": True, "manifest": self.manifest.to_json()})
-        )
-
-
-def _serve(
-    compute: StageCompute, kind: str, request: runtime_pb2.ExpertRequest, caller: str, max_elements: int
-) -> tuple[runtime_pb2.ExpertResponse | None, str | None]:
-    """In the worker: decode, compute, encode. (reply, None), or (None, why) for a bad request, which the event
-    loop counts against its sender. Never raises: a bug or a device error is an 'internal' reply."""
-    try:
-        req = protocol.decode_request(request, compute.manifest, max_elements, caller)
-        outputs = compute.process(kind, req, caller)
-        return protocol.make_reply(outputs, protocol.wire_compression(compute.manifest)), None
-    except BadRequestError as e:
-        return None, str(e)
-    except UnknownMicrobatchError as e:
-        return protocol.make_error_reply(str(e), "unknown_microbatch"), None
-    except WrongStageError as e:
-        return protocol.make_error_reply(str(e), "wrong_stage"), None
-    except GradientOverflowError as e:
-        return protocol.make_error_reply(str(e), "overflow"), None
-    except Exception as e:  # a bug or a device error: report it, keep serving
-        logger.exception(f"{kind} failed")
-        return protocol.make_error_reply(f"internal error on the stage peer: {type(e).__name__}: {e}", "internal"), None
+        return runtime_pb2.ExpertResponse(metadata=pack({"ok": True, "manifest": self.manifest.to_json()}))
 
 
 async def _prepend(first: runtime_pb2.ExpertRequest, rest: AsyncIterator) -> AsyncIterator[runtime_pb2.ExpertRequest]:

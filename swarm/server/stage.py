@@ -1,7 +1,8 @@
 """StageServer: one served stage, composed of its parts, from joining to shutdown.
 
 The parts (one concern each): the worker that owns the model (server/compute.py), admission (server/admission.py),
-the RPC handlers (server/service.py), the announcement (server/announcer.py) and the averaging rounds
+the one request path through both (server/request_path.py), the RPC handlers (server/service.py) and forwarding
+(server/forwarding.py), the announcement (server/announcer.py) and the averaging rounds
 (server/rounds.py). This module starts and stops them in order, keeps the checkpoint timer, and takes the
 stage's stats snapshot (swarm/watch/stats.py) that the announcement, the status line and the metrics read.
 
@@ -25,7 +26,8 @@ from hivemind.p2p import P2P
 
 from swarm.architectures.model import StageModel
 from swarm.averaging.averager import StageAverager
-from swarm.dht.records import PeerState, SwarmView
+from swarm.dht.announcement_cache import AnnouncementCache
+from swarm.dht.records import PeerState
 from swarm.events import OnEvent, ignore
 from swarm.manifests.manifest import Manifest
 from swarm.network.coordinates import Vivaldi
@@ -34,8 +36,9 @@ from swarm.server.announcer import Announcer, PeerFacts
 from swarm.server.checkpoint import save_checkpoint
 from swarm.server.compute import StageCompute
 from swarm.server.forwarding import Forwarder
+from swarm.server.request_path import RequestPath
 from swarm.server.rounds import AveragingRounds, RoundCounters
-from swarm.server.service import NAMESPACE, StageService
+from swarm.server.service import StageService
 from swarm.server.worker import StageWorker
 from swarm.throughput import DeliveredThroughput, SimulatedSpeed, Throughput, device_name
 from swarm.watch.stats import StageStats, Traffic
@@ -84,9 +87,9 @@ class StageServer:
         self.worker = StageWorker(StageCompute(manifest, stage, model, device, simulated))
         self.admission = Admission(manifest, peer_id)
         self.state = PeerState.JOINING
-        state = lambda: self.state  # noqa: E731
-        self.forwarder = Forwarder(manifest, stage, peer_id, self.admission, self.worker, self.traffic, state)
-        self.service = StageService(manifest, stage, self.admission, self.worker, self.traffic, state, self.forwarder)
+        self.requests = RequestPath(self.admission, self.worker, lambda: self.state)  # one path for all requests
+        self.forwarder = Forwarder(manifest, stage, peer_id, self.requests, self.traffic)
+        self.service = StageService(manifest, stage, self.requests, self.traffic, self.forwarder)
         facts = PeerFacts(
             peer_id,
             device_name(device),
@@ -136,14 +139,14 @@ class StageServer:
         leaving everything untouched, if it does not fit."""
         await self.worker.run(lambda compute: compute.load_state(items, counters))
 
-    async def start(self, view: SwarmView | None = None) -> None:
+    async def start(self, view: AnnouncementCache | None = None) -> None:
         """Register the RPC handlers, announce online, and keep announcing, averaging and checkpointing in the
         background. `view` is the peer's shared picture of the swarm (averaging reads the stage's records)."""
         assert self._p2p is not None and self.announcer.dht is not None, "join first"
         view = (
             view
             if view is not None
-            else SwarmView(
+            else AnnouncementCache(
                 self.announcer.dht,
                 self.manifest.swarm_id,
                 self.manifest.num_stages,
@@ -151,7 +154,7 @@ class StageServer:
             )
         )
         self.forwarder.attach(self._p2p, view)
-        await self.service.add_p2p_handlers(self._p2p, namespace=NAMESPACE)
+        await self.service.add_p2p_handlers(self._p2p, namespace=StageService.NAMESPACE)
         self._handlers_added = True
         self.state = PeerState.ONLINE
         self._went_online = True
@@ -186,7 +189,8 @@ class StageServer:
             steps.append(("announcing offline", self.announcer.announce()))
         if self._p2p is not None and self._handlers_added:
             self._handlers_added = False
-            steps.append(("removing handlers", self.service.remove_p2p_handlers(self._p2p, namespace=NAMESPACE)))
+            remove = self.service.remove_p2p_handlers(self._p2p, namespace=StageService.NAMESPACE)
+            steps.append(("removing handlers", remove))
         for what, step in steps:
             try:
                 await asyncio.wait_for(step, timeout=timeout)

@@ -12,7 +12,8 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarm.client.rpc import download_state
-from swarm.dht.records import Announcement, SwarmView, announcement_lifetime
+from swarm.dht.announcement_cache import AnnouncementCache
+from swarm.dht.records import Announcement, announcement_lifetime
 from swarm.events import Event, EventKind, OnEvent, StateSource
 from swarm.hf import pretrained
 from swarm.manifests.manifest import Manifest
@@ -20,7 +21,7 @@ from swarm.routing import online_peers
 from swarm.server.checkpoint import find_checkpoint
 from swarm.server.rounds import STATE_SOURCES
 from swarm.server.stage import StageServer
-from swarm.server.stage_state import stage_state_shapes
+from swarm.wire.state import stage_state_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +35,13 @@ def progress(counters: dict[str, int]) -> tuple[int, int]:
     return counters.get("averaging_round", 0), counters.get("optimizer_steps", 0)
 
 
-async def other_online_peers(view: SwarmView, stage: int, peer_id: str) -> list[Announcement]:
+async def other_online_peers(view: AnnouncementCache, stage: int, peer_id: str) -> list[Announcement]:
     """Online peers of `stage` other than `peer_id`, as last read from the DHT."""
     return [a for a in online_peers(await view.stage(stage), get_dht_time()) if a.peer_id != peer_id]
 
 
 class StateTakeover:
-    def __init__(self, manifest: Manifest, p2p: P2P, view: SwarmView, peer_id: str, on_event: OnEvent):
+    def __init__(self, manifest: Manifest, p2p: P2P, view: AnnouncementCache, peer_id: str, on_event: OnEvent):
         self.manifest, self.p2p, self.view, self.peer_id, self.on_event = manifest, p2p, view, peer_id, on_event
 
     async def into(self, server: StageServer, reason: str) -> bool:

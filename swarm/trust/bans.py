@@ -39,7 +39,8 @@ class Bans:
         window: float = BAD_REQUEST_WINDOW,
         first_ban: float = FIRST_BAN,
     ) -> None:
-        # the defaults are those of stage requests; averaging's exclusions use their own (swarm/averaging/robust_allreduce.py)
+        # the defaults are those of stage requests; averaging's exclusions use their own
+        # (swarm/averaging/robust_allreduce.py)
         self.bad_before_ban, self.window, self.first_ban = bad_before_ban, window, first_ban
         self._offenders: OrderedDict[str, Offender] = OrderedDict()
         self._lock = threading.Lock()

@@ -7,8 +7,8 @@ the sender:
   decoder again from inside the C decoder's extension hook, so a message of a few hundred nested tuples
   (about 1.5 kB) overflows the C stack and kills the process with a segfault. Any peer could send one: as the
   metadata of a stage call, the gathered data of an averaging round, or a DHT store, which every DHT node
-  decodes. Past MAX_NESTING levels of extension types, decoding now raises ValueError, which every caller
-  already treats as a malformed message.
+  decodes. Past MAX_NESTING levels of extension types, decoding now raises MalformedDataError (a ValueError),
+  which every caller already treats as a malformed message.
 - **stream frame size.** A stream message starts with its length, and hivemind reads that many bytes before
   anyone looks at them: a frame that declares 2**40 bytes makes the peer buffer whatever follows, up to the
   call's timeout. Frames longer than MAX_STREAM_FRAME_BYTES (16 times the largest that Swarm or hivemind
@@ -25,6 +25,8 @@ import threading
 
 from hivemind.p2p import P2P
 from hivemind.utils.serializer import MSGPackSerializer
+
+from swarm.errors import MalformedDataError
 
 MAX_NESTING = 16  # extension types within each other; hivemind's own messages nest 2 or 3 deep
 MAX_STREAM_FRAME_BYTES = 16 * 2**20  # Swarm's stream parts carry 1 MiB chunks; hivemind's averaging 0.5 MiB
@@ -46,7 +48,7 @@ def _limit_msgpack_nesting() -> None:
     def decode_ext_types(cls, type_code: int, data: bytes):
         depth = getattr(_depth, "value", 0)
         if depth >= MAX_NESTING:
-            raise ValueError(f"msgpack extension types nested deeper than {MAX_NESTING}")
+            raise MalformedDataError(f"msgpack extension types nested deeper than {MAX_NESTING}")
         _depth.value = depth + 1
         try:
             return original(cls, type_code, data)
@@ -65,7 +67,7 @@ def _limit_stream_frames() -> None:
         header = await reader.readexactly(P2P.HEADER_LEN)
         length = int.from_bytes(header, P2P.BYTEORDER)
         if length > MAX_STREAM_FRAME_BYTES:
-            raise ValueError(f"a stream frame of {length} bytes; at most {MAX_STREAM_FRAME_BYTES} are accepted")
+            raise MalformedDataError(f"a stream frame of {length} bytes; at most {MAX_STREAM_FRAME_BYTES} are accepted")
         return await reader.readexactly(length)
 
     receive_raw_data.swarm_limit = True

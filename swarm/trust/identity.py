@@ -16,6 +16,7 @@ from typing import IO
 from hivemind.p2p import P2P, PeerID
 
 from swarm.errors import PeerStartError
+from swarm.trust.signing import IdentityKey
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def _read_identity(path: Path) -> str:
     """The peer id of the key in `path`, creating the key if the file does not exist."""
     if not path.exists():
         try:
-            P2P.generate_identity(str(path))  # an RSA key, readable by this user only
+            IdentityKey.generate().write(path)  # an RSA key, as hivemind makes one, readable by this user only
         except OSError as e:
             raise PeerStartError(f"--identity {path}: cannot write a new identity there ({e.strerror})") from None
         logger.info(f"created a new identity in {path}")

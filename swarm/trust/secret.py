@@ -37,7 +37,10 @@ class SwarmSecret:
 
     def __init__(self, secret: bytes):
         if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
-            raise ValueError(f"a swarm secret must hold {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes")
+            raise ManifestError(
+                f"a swarm secret must hold {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes, not {len(secret)}; "
+                "swarm-init --private writes a good one"
+            )
         self._proof_key = _derive(secret, b"stage-call proof")
         self._dht_key = _derive(secret, b"dht authorization")
         self.tag = _derive(secret, b"averaging prefix").hex()[:16]  # public where it is used, but unguessable

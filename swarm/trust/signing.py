@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer
 
 from swarm.errors import PeerStartError
+from swarm.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ SIGNED_LABEL = b"swarm record v1"  # signed first, so that a signature over a re
 MAX_PUBLIC_KEY_BYTES = 1024  # DER of an RSA key up to 4096 bits; larger trailers are refused unread
 MAX_SIGNATURE_BYTES = 512
 CACHED_PUBLIC_KEYS = 4096
+IDENTITY_FILE_MODE = 0o400  # an identity key: readable by its user only
 
 
 # ------------------------------------------------------------------------------------------------ keys
@@ -85,11 +86,10 @@ class IdentityKey:
         return cls(message.data)
 
     def write(self, path: Path) -> None:
-        """Write the key as an identity file that p2pd reads (readable by this user only)."""
+        """Write the key as an identity file that p2pd reads, atomically and readable by this user only (0o400, as
+        hivemind writes one; never readable by others, not even for a moment)."""
         message = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=self.der)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
-        with os.fdopen(fd, "wb") as file:
-            file.write(message.SerializeToString())
+        atomic_write(path, message.SerializeToString(), mode=IDENTITY_FILE_MODE)
 
     def private_key(self) -> rsa.RSAPrivateKey:
         key = serialization.load_der_private_key(self.der, password=None)

@@ -1,2 +1,8 @@
-"""Watching a swarm and a peer: what a peer counts (stats), the status document peer-status shows, reading a
-swarm from outside, and Prometheus metrics."""
+"""Watching a peer and a swarm.
+
+- stats.py: what a peer counts, as one snapshot per moment, which its announcement, status line and metrics read.
+- metrics.py: one peer's Prometheus metrics (swarm-peer --metrics-port).
+- reader.py: reading a swarm from outside (peer-status, swarm-monitor): records from the DHT, then a document.
+- status.py: the status document of a swarm that peer-status shows: pure functions over the records.
+swarm-monitor's own library (history, leaderboard, its page) is swarm/monitor/.
+"""

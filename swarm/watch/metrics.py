@@ -1,10 +1,12 @@
 """Prometheus metrics of one peer (`swarm-peer --metrics-port N`).
 
-Nothing is counted for this module: at each scrape, a collector takes the snapshots the peer's status line and
-announcement read too (StageStats of its current StageServer, TrainerStats of its Trainer: swarm/watch/stats.py) and
-the Rebalancer's moves and traffic, so serving and training pay nothing for it. The peer's objects change on its
-event loop (and the stage's counters in its worker thread), so the collector reads them on the event loop too: a
-scrape waits for one turn of the loop, and gets figures that belong together.
+Nothing is counted for this module: at each scrape, a collector takes the snapshot the peer's status line reads
+too (a PeerSnapshot: the StageStats its announcement carries, its trainer's TrainerStats, its moves and traffic;
+swarm/watch/stats.py), handed over by the Peer (swarm/peer/peer.py) as a function, so serving and training pay
+nothing for it. The peer's objects change on its event loop (and the stage's counters in its worker thread), so
+the collector calls that function on the event loop: a scrape waits for one turn of the loop, and gets figures that
+belong together. What does not change while the peer runs (PeerInfo) and the count of refused records (which
+waits on the DHT's process) are read in the scrape's own thread.
 
 Names follow Prometheus' conventions: prefix `swarm_`, counters end in `_total`, units in the name. Every
 series carries `swarm_id` and `peer_id`; those of the served stage carry `stage` too (a peer that moves starts
@@ -24,6 +26,7 @@ import errno
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
@@ -31,16 +34,26 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from swarm import PROTOCOL_VERSION, __version__
-from swarm.client.trainer import Trainer
 from swarm.dht.records import PeerState
 from swarm.errors import PeerStartError
-from swarm.server.rebalancer import Rebalancer
-from swarm.throughput import device_name
-from swarm.trust.signing import rejected_records
+from swarm.watch.stats import PeerSnapshot
 
 logger = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT = 5.0  # seconds a scrape waits for the event loop before it answers with the static metrics only
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What the metrics say about the peer itself; fixed while it runs."""
+
+    swarm_id: str
+    swarm_name: str
+    peer_id: str
+    device: str  # as announced (swarm/throughput.py's device_name)
+    public_name: str
+    num_stages: int
+    started: float  # time.monotonic() when the peer started
 
 
 class _Families:
@@ -66,19 +79,20 @@ class _Families:
 
 
 class PeerCollector(Collector):
-    """Reads a peer's live objects at each scrape: `rebalancer` (and its current server) and, if the peer trains,
-    the Trainer that `trainer()` returns (None until it exists, or if the peer does not train)."""
+    """At each scrape: `info`, the `snapshot()` of the moment (called on `loop`) and, if given, the count of
+    records the peer's DHT node refused (`refused_records()`, called in the scrape's thread; it may raise)."""
 
     def __init__(
         self,
-        rebalancer: Rebalancer,
-        trainer: Callable[[], Trainer | None] = lambda: None,
+        info: PeerInfo,
+        snapshot: Callable[[], PeerSnapshot],
+        refused_records: Callable[[], int] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         timeout: float = SCRAPE_TIMEOUT,
     ):
-        self.rebalancer, self.trainer, self.loop, self.timeout = rebalancer, trainer, loop, timeout
-        manifest = rebalancer.manifest
-        self.identity = {"swarm_id": manifest.swarm_id, "peer_id": rebalancer.peer_id}
+        self.info, self.snapshot, self.refused_records = info, snapshot, refused_records
+        self.loop, self.timeout = loop, timeout
+        self.identity = {"swarm_id": info.swarm_id, "peer_id": info.peer_id}
 
     def describe(self) -> Iterable[Metric]:
         return []  # the registry must not call collect() (from the registering thread) to learn the names
@@ -122,23 +136,25 @@ class PeerCollector(Collector):
             return None
 
     def _static(self, f: _Families) -> None:
-        rebalancer = self.rebalancer
+        peer = self.info
         info = InfoMetricFamily(
             "swarm_peer",
             "This peer: its software, device and public name (value 1)",
             value={
                 **self.identity,
-                "swarm_name": rebalancer.manifest.name,
+                "swarm_name": peer.swarm_name,
                 "version": __version__,
                 "protocol_version": str(PROTOCOL_VERSION),
-                "device": device_name(rebalancer.device),
-                "public_name": rebalancer.options.public_name,
+                "device": peer.device,
+                "public_name": peer.public_name,
             },
         )
         f.families[info.name] = info
-        f.gauge("swarm_peer_uptime_seconds", "Seconds since this peer started", time.monotonic() - rebalancer.started)
+        f.gauge("swarm_peer_uptime_seconds", "Seconds since this peer started", time.monotonic() - peer.started)
+        if self.refused_records is None:
+            return
         try:  # (the scrape's thread may wait on the DHT's process; the event loop must not)
-            refused = rejected_records(rebalancer.dht)
+            refused = self.refused_records()
         except Exception as e:  # the DHT process is gone (the peer is stopping)
             logger.debug(f"metrics scrape: could not count refused records: {e!r}")
         else:
@@ -150,8 +166,8 @@ class PeerCollector(Collector):
 
     def _live(self) -> list[Metric]:
         f = _Families(self.identity)
-        rebalancer, server = self.rebalancer, self.rebalancer.server
-        state = PeerState.JOINING if server is None else server.state  # no server yet: choosing, measuring, downloading
+        snapshot = self.snapshot()
+        state = snapshot.state  # no stage yet: choosing, measuring, downloading
         for name in PeerState:
             f.gauge(
                 "swarm_peer_state",
@@ -160,8 +176,8 @@ class PeerCollector(Collector):
                 float(name == state),
                 state=name,
             )
-        f.counter("swarm_peer_moves_total", "Moves of this peer from one stage to another", rebalancer.moves)
-        traffic = rebalancer.traffic
+        f.counter("swarm_peer_moves_total", "Moves of this peer from one stage to another", snapshot.moves)
+        traffic = snapshot.traffic
         sent_doc = "Bytes this peer sent: activations and gradients between stages, and averaging payload (estimated)"
         received_doc = sent_doc.replace("sent", "received")
         f.counter("swarm_sent_bytes_total", sent_doc, traffic.activation_sent, kind="activations")
@@ -175,8 +191,8 @@ class PeerCollector(Collector):
             "failed_averaging_round (an averaging round of the stage that did not happen or was dropped), "
             "failed_microbatch (the trainer dropped a microbatch)"
         )
-        if server is not None:
-            stats = server.stats()
+        stats = snapshot.stage
+        if stats is not None:
             stage = stats.stage
             f.gauge("swarm_peer_stage", "The stage this peer serves", stage)
             f.counter(
@@ -270,9 +286,8 @@ class PeerCollector(Collector):
                 stage=stage,
             )
 
-        trainer = self.trainer()
-        if trainer is not None:
-            trainer_stats = trainer.stats()
+        trainer_stats = snapshot.trainer
+        if trainer_stats is not None:
             loss, speed = trainer_stats.loss, trainer_stats.samples_per_second
             f.counter("swarm_trainer_samples_total", "Samples this peer's trainer trained on", trainer_stats.samples)
             f.counter(
@@ -288,7 +303,7 @@ class PeerCollector(Collector):
             if loss == loss:  # NaN until a microbatch has completed (in the last 30 seconds): left out, see above
                 f.gauge("swarm_trainer_loss", "Mean training loss of the trainer's microbatches of the last 30 s", loss)
             unserved = set(trainer_stats.unserved_stages)
-            for stage in range(rebalancer.manifest.num_stages):
+            for stage in range(self.info.num_stages):
                 f.gauge(
                     "swarm_trainer_stage_unserved",
                     "1 if the trainer found no online peer of the stage at its last look (it waits for one)",
@@ -323,13 +338,14 @@ class MetricsServer:
 def start_metrics_server(
     host: str,
     port: int,
-    rebalancer: Rebalancer,
-    trainer: Callable[[], Trainer | None] = lambda: None,
+    info: PeerInfo,
+    snapshot: Callable[[], PeerSnapshot],
+    refused_records: Callable[[], int] | None = None,
 ) -> MetricsServer:
     """Serve the peer's metrics at http://host:port/metrics (port 0: any free port, see .port). Call it from the
-    peer's event loop: scrapes read the peer's objects there. Raises PeerStartError if it cannot listen."""
+    peer's event loop: scrapes call `snapshot()` there. Raises PeerStartError if it cannot listen."""
     registry = CollectorRegistry()
-    registry.register(PeerCollector(rebalancer, trainer, asyncio.get_running_loop()))
+    registry.register(PeerCollector(info, snapshot, refused_records, asyncio.get_running_loop()))
     ProcessCollector(registry=registry)  # CPU time, memory, open files of the peer's main process (on Linux)
     try:
         httpd, thread = start_http_server(port, addr=host, registry=registry)

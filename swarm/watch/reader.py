@@ -1,6 +1,6 @@
 """Reading a swarm from outside, as `peer-status` and `swarm-monitor` do: records from the DHT, then a document.
 
-A `SwarmView` remembers the peers it saw before, so that a peer whose records vanished is still shown for a
+A `SwarmReader` remembers the peers it saw before, so that a peer whose records vanished is still shown for a
 while, as "gone", instead of silently disappearing from the table.
 """
 
@@ -32,7 +32,7 @@ async def read_records(dht: DHT, manifest: Manifest) -> tuple[list[list[Announce
     return list(results[:-1]), results[-1]
 
 
-class SwarmView:
+class SwarmReader:
     """The swarm as last read, with the peers that vanished since shown as "gone" for GONE_AFTER seconds."""
 
     def __init__(self, manifest: Manifest, source: str, gone_after: float = GONE_AFTER):

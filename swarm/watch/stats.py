@@ -1,9 +1,11 @@
 """What a peer counts, as one snapshot per moment: its announcement, its status line and its metrics all read the
-same StageStats and TrainerStats, so a figure is listed once and means the same everywhere."""
+same StageStats and TrainerStats, so a figure is listed once and means the same everywhere. The Peer
+(swarm/peer/peer.py) hands its status line and its metrics a PeerSnapshot: those of the moment, with its moves and
+traffic."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from swarm.dht.records import PeerState
@@ -96,3 +98,22 @@ class TrainerStats:
             "trainer_check_disagreements": self.check_disagreements,
             "trainer_convicted": list(self.convicted),
         }
+
+
+@dataclass(frozen=True)
+class PeerSnapshot:
+    """One moment of the whole peer: the stage it serves, its trainer, its moves and its traffic."""
+
+    stage: StageStats | None  # None: no stage yet (choosing, measuring, taking the state over) or ever (trainer only)
+    trainer: TrainerStats | None  # None: no trainer (yet)
+    moves: int  # from one stage to another
+    traffic: Traffic  # a copy: the figures of this moment
+
+    @classmethod
+    def of(cls, stage: StageStats | None, trainer: TrainerStats | None, moves: int, traffic: Traffic) -> PeerSnapshot:
+        return cls(stage, trainer, moves, replace(traffic))
+
+    @property
+    def state(self) -> PeerState:
+        """The served stage's state; joining while there is none."""
+        return PeerState.JOINING if self.stage is None else self.stage.state

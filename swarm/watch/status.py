@@ -11,7 +11,8 @@ from dataclasses import asdict
 from typing import Any
 
 from swarm.architectures.model import count_stage_parameters
-from swarm.balancing import PeerLoad, efficiency, stage_totals
+from swarm.balancing.moves import PeerLoad, stage_totals
+from swarm.balancing.optimum import efficiency
 from swarm.dht.records import Announcement, PeerState, TrainerReport, announcement_lifetime
 from swarm.manifests.manifest import Manifest
 

@@ -13,20 +13,20 @@ import sys
 import time
 from collections import Counter
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
-from swarm.server.reachability import NAMESPACE, ReachabilityService
-from swarm.wire.protocol import MSGPackSerializer, unpack
+from swarm.wire.messages import pack, unpack
+from swarm.wire.rpc import ReachabilityRPC
 
 
 async def flood(target: str, seconds: float, concurrency: int) -> dict:
     node = await P2P.create(initial_peers=[target], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     answers: Counter[str] = Counter()
     try:
-        stub = ReachabilityService.get_stub(node, PeerID.from_base58(target.rsplit("/p2p/", 1)[1]), namespace=NAMESPACE)
+        stub = ReachabilityRPC.stub(node, target.rsplit("/p2p/", 1)[1])
         own = [str(a) for a in await node.get_visible_maddrs()]
-        request = runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps({"maddrs": own}))
+        request = runtime_pb2.ExpertRequest(metadata=pack({"maddrs": own}))
         deadline = time.monotonic() + seconds
 
         async def one_after_another() -> None:

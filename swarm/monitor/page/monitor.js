@@ -58,9 +58,9 @@ async function getJSON(path) {
 function renderHealth(state) {
   const { swarm, health, training, monitor } = state;
   setText("swarm-name", swarm.name);
-  const model = swarm.architectures.model;
+  const model = swarm.model;
   setText("swarm-facts", `id ${swarm.swarm_id} · ${(model.parameters / 1e6).toFixed(1)}M parameters, ` +
-    `${model.depth} layers, width ${model.width} · ${swarm.stages} stages · averaging ${swarm.averaging.rules}`);
+    `${model.depth} layers, width ${model.width} · ${swarm.stages} stages · averaging ${swarm.averaging}`);
   const card = document.getElementById("status-card");
   card.className = `card ${monitor.status}`;
   setText("status", monitor.status);

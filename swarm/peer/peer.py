@@ -1,9 +1,11 @@
-"""One peer of a swarm, as a `swarm-peer` process runs it: its parts, started and stopped in order.
+"""One peer of a swarm, as a `swarm-peer` process runs it: its context and its parts, started and stopped in order.
 
-The parts: the reachability service (it answers other peers' "can you dial me?"), a reverse connector when
-others cannot dial this peer, the Prometheus metrics endpoint if asked for, the rebalancer (which serves a stage
-and moves between stages) and the trainer. The program (peers/swarm_peer.py) parses flags, prints, and calls
-`start_services`, `join`, `check` and `shutdown`; everything the peer reports comes back through callbacks.
+The Peer owns the peer-wide context (swarm/peer/context.py: identity, swarm view, traffic, network position, start
+time) and hands it to its parts: the reachability service (it answers other peers' "can you dial me?"), a reverse
+connector when others cannot dial this peer, the pinger (which keeps the network position), the Prometheus metrics
+endpoint if asked for, the rebalancer (which serves a stage and moves between stages) and the trainer. The program
+(peers/swarm_peer.py) parses flags, prints, and calls `start_services`, `join`, `check`, `snapshot` and `shutdown`;
+everything else the peer reports comes back through callbacks.
 """
 
 from __future__ import annotations
@@ -19,21 +21,26 @@ from hivemind.p2p import P2P
 
 from swarm.client.checks import CHECK_FRACTION
 from swarm.client.pinger import Pinger
+from swarm.client.rpc import tokenizer_from_peers
 from swarm.client.trainer import Trainer
 from swarm.dataset import tokenizer_source
 from swarm.dataset.shards import TokenShards, TrainingStream, open_swarm_data
 from swarm.dataset.tokenizer import Tokenizer
 from swarm.events import OnEvent, ignore
 from swarm.manifests.manifest import Manifest
-from swarm.server import reachability
+from swarm.peer.context import PeerContext
 from swarm.server.reachability import ReachabilityService, ReverseConnector
 from swarm.server.rebalancer import Rebalancer
 from swarm.server.stage import ServingOptions, StageServer
-from swarm.watch.metrics import MetricsServer, start_metrics_server
+from swarm.throughput import device_name
+from swarm.trust.signing import rejected_records, rejected_records_soon
+from swarm.watch.metrics import MetricsServer, PeerInfo, start_metrics_server
+from swarm.watch.stats import PeerSnapshot
 
 logger = logging.getLogger(__name__)
 
 CONNECT_PERIOD = 5.0  # seconds between a peer's looks for peers to connect to, when others cannot dial it
+REFUSED_RECORDS_TIMEOUT = 2.0  # seconds the status line waits for the DHT's count of refused records
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,9 @@ class TrainingOptions:
 
 
 class Peer:
+    """One peer: `context` is what its parts share, `rebalancer` serves its stage, `trainer` (once it trains) feeds
+    microbatches through the swarm, `metrics` (if asked for) serves its Prometheus endpoint."""
+
     def __init__(
         self,
         manifest: Manifest,
@@ -58,10 +68,12 @@ class Peer:
         training: TrainingOptions = TrainingOptions(),
         on_switch: Callable[[StageServer], None] = lambda server: None,
         on_event: OnEvent = ignore,
+        *,
+        peer_id: str | None = None,  # default: the DHT node's (tests without a DHT name one)
     ):
-        self.manifest, self.dht, self.p2p, self.device = manifest, dht, p2p, device
+        peer_id = peer_id if peer_id is not None else str(dht.peer_id)
+        self.context = PeerContext.create(manifest, dht, p2p, peer_id, device)
         self.serving, self.training = serving, training
-        self.peer_id = str(dht.peer_id)
         self.trainer: Trainer | None = None
         self.metrics: MetricsServer | None = None
         self.data: TokenShards | None = None  # what the trainer reads
@@ -71,9 +83,7 @@ class Peer:
                 self.trainer.local_server = server
             on_switch(server)
 
-        self.rebalancer = Rebalancer(
-            manifest, dht, p2p, self.peer_id, device, serving, on_switch=switched, on_event=on_event
-        )
+        self.rebalancer = Rebalancer(self.context, serving, on_switch=switched, on_event=on_event)
         self._reachability = ReachabilityService(manifest)
         self._stop = asyncio.Event()
         self._tasks: dict[str, asyncio.Task] = {}
@@ -82,27 +92,30 @@ class Peer:
         """What runs before the peer has a stage: reachability answers, the reverse connector (peers it downloads
         state from or measures against may call back), and metrics (a join may take minutes: scrapes show the
         peer joining meanwhile). Raises PeerStartError if the metrics address is unusable."""
-        await self._reachability.add_p2p_handlers(self.p2p, namespace=reachability.NAMESPACE)
+        context = self.context
+        await self._reachability.add_p2p_handlers(context.p2p, namespace=ReachabilityService.NAMESPACE)
         if not self.serving.reachable:
-            connector = ReverseConnector(self.p2p, self.rebalancer.view, self.peer_id, CONNECT_PERIOD)
+            connector = ReverseConnector(context.p2p, context.view, context.peer_id, CONNECT_PERIOD)
             self._tasks["connector"] = asyncio.create_task(connector.run(self._stop))
         # this peer's network coordinate: announced by its stage server, used by its trainer's routes
-        pinger = Pinger(self.manifest, self.p2p, self.rebalancer.view, self.peer_id, self.rebalancer.position)
+        pinger = Pinger(context.manifest, context.p2p, context.view, context.peer_id, context.position)
         self._tasks["pinger"] = asyncio.create_task(pinger.run(self._stop))
         if metrics_address is not None:
-            self.metrics = start_metrics_server(*metrics_address, self.rebalancer, lambda: self.trainer)
+            refused = lambda: rejected_records(context.dht)  # noqa: E731
+            self.metrics = start_metrics_server(*metrics_address, self.info(), self.snapshot, refused)
 
     async def get_tokenizer(self) -> Tokenizer:
         """The swarm's tokenizer, which this machine then keeps (to tokenize raw data, and to hand it to peers that
         join later): from its cache or next to the manifest, else from the swarm's peers. Raises TokenizerError."""
-        local = tokenizer_source.local_tokenizer(self.manifest)  # (the byte vocabulary needs no file)
+        context = self.context
+        local = tokenizer_source.local_tokenizer(context.manifest)  # (the byte vocabulary needs no file)
         if local is not None:
             return local  # no DHT read at start for it
-        peer_ids = [address.rsplit("/p2p/", 1)[1] for address in self.manifest.initial_peers]
-        stages = await self.rebalancer.view.all_stages(force=True)
+        peer_ids = [address.rsplit("/p2p/", 1)[1] for address in context.manifest.initial_peers]
+        stages = await context.view.all_stages(force=True)
         peer_ids += [a.peer_id for announcements in stages for a in announcements if a.peer_id not in peer_ids]
-        peer_ids = [peer_id for peer_id in peer_ids if peer_id != self.peer_id]
-        return await tokenizer_source.tokenizer_from_peers(self.p2p, self.manifest, peer_ids)
+        peer_ids = [peer_id for peer_id in peer_ids if peer_id != context.peer_id]
+        return await tokenizer_from_peers(context.p2p, context.manifest, peer_ids)
 
     async def join(self) -> None:
         """Choose a stage, take over its state and serve it; then keep balancing, and train if asked to. A
@@ -113,23 +126,54 @@ class Peer:
             self._tasks["balancing"] = asyncio.create_task(self.rebalancer.run(self._stop))
         if not self.training.enabled:
             return
-        manifest = self.manifest
-        self.data = await asyncio.to_thread(open_swarm_data, manifest, tokenizer, self.training.data)
-        stream = TrainingStream(self.data, self.peer_id, seed=self.training.seed or 0)
+        context = self.context
+        self.data = await asyncio.to_thread(open_swarm_data, context.manifest, tokenizer, self.training.data)
+        stream = TrainingStream(self.data, context.peer_id, seed=self.training.seed or 0)
         self.trainer = Trainer(
-            manifest,
-            self.dht,
-            self.p2p,
-            self.peer_id,
+            context.manifest,
+            context.dht,
+            context.p2p,
+            context.peer_id,
             seed=self.training.seed,
             local_server=self.rebalancer.server,
-            view=self.rebalancer.view,
-            traffic=self.rebalancer.traffic,
+            view=context.view,
+            traffic=context.traffic,
             reachable=self.serving.reachable,
-            position=self.rebalancer.position,
+            position=context.position,
             check_fraction=self.training.check_fraction,
         )
         self._tasks["training"] = asyncio.create_task(self.trainer.train(stream, self._stop))
+
+    def info(self) -> PeerInfo:
+        """What the metrics say about this peer itself."""
+        context, manifest = self.context, self.context.manifest
+        return PeerInfo(
+            manifest.swarm_id,
+            manifest.name,
+            context.peer_id,
+            device_name(context.device),
+            self.serving.public_name,
+            manifest.num_stages,
+            context.started,
+        )
+
+    def snapshot(self) -> PeerSnapshot:
+        """This moment of the peer, for its status line and its metrics; call it on the peer's event loop."""
+        server = self.rebalancer.server
+        return PeerSnapshot.of(
+            server.stats() if server is not None else None,
+            self.trainer.stats() if self.trainer is not None else None,
+            self.rebalancer.moves,
+            self.context.traffic,
+        )
+
+    async def refused_records(self) -> int | None:
+        """How many records this peer's DHT node refused (unsigned or forged); None if the DHT's process did not
+        answer in time (it is busy or stopping)."""
+        try:
+            return await asyncio.wait_for(rejected_records_soon(self.context.dht), timeout=REFUSED_RECORDS_TIMEOUT)
+        except Exception:
+            return None
 
     def check(self) -> None:
         """Raise what made the trainer or the balancing loop fail (e.g. a SwarmError: serving nothing at all)."""
@@ -152,7 +196,7 @@ class Peer:
         await self.rebalancer.shutdown()
         await self._reachability.shutdown()
         try:
-            await asyncio.wait_for(self.p2p.shutdown(), timeout=5)
+            await asyncio.wait_for(self.context.p2p.shutdown(), timeout=5)
         except Exception as e:
             logger.warning(f"p2p shutdown failed: {e!r}")
         if self.metrics is not None:

@@ -1,0 +1,85 @@
+"""The one path of a request into a served stage: admission, a request slot, the work in the worker, the slot's
+release, and the error reply for whatever stopped it.
+
+Both kinds of stage work go through it: forward and backward calls (swarm/server/service.py) and the hops of a
+forwarded microbatch (swarm/server/forwarding.py). A request first gets a prompt refusal instead of work if its
+sender is banned or this peer cannot take it now (swarm/server/admission.py). Taken, it holds one of its
+sender's request slots until its work in the worker is done, even if the caller has given up meanwhile: a
+cancelled call still occupies the worker until its turn has passed, and the slots say how loaded the worker
+is. An exception the work raises becomes the reply, with the code the one map of swarm/wire/codes.py gives it;
+a bad request also counts against its sender (who is banned if it keeps sending them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from hivemind.proto import runtime_pb2
+
+from swarm.dht.records import PeerState
+from swarm.server.admission import Admission
+from swarm.server.compute import StageCompute
+from swarm.server.worker import StageWorker
+from swarm.wire.codes import ErrorCode, code_of
+from swarm.wire.messages import make_error_reply
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Failed:
+    """What stopped a request's work in the worker (handed back to the event loop, which answers it)."""
+
+    error: Exception
+
+
+class RequestPath:
+    """Admission and the worker of one served stage, as every request of the stage uses them."""
+
+    def __init__(self, admission: Admission, worker: StageWorker, state: Callable[[], PeerState]):
+        self.admission, self.worker, self.state = admission, worker, state
+        self.errors: collections.Counter[ErrorCode] = collections.Counter()  # error replies to work, by code
+
+    def refusal(self, caller: str) -> runtime_pb2.ExpertResponse | None:
+        """A prompt reply instead of work: the caller is banned, this peer is not online, or it is too busy."""
+        return self.admission.refusal(caller, self.state(), self.worker.seconds_per_request)
+
+    async def run(self, kind: str, caller: str, work: Callable[[StageCompute], T]) -> T | runtime_pb2.ExpertResponse:
+        """`work(compute)` in the worker under one of the caller's request slots; its result, or the error reply if
+        it raised. Call `refusal` first: this takes the slot without asking admission (a hop's backward, after
+        its forward was taken on, is never refused)."""
+        admission = self.admission
+        admission.take_slot(caller)
+        future = self.worker.submit(lambda compute: _attempt(work, compute))
+        future.add_done_callback(lambda _: admission.release_slot(caller))
+        result = await asyncio.shield(future)
+        if isinstance(result, _Failed):
+            return self.error_reply(kind, caller, result.error)
+        return result
+
+    def error_reply(self, kind: str, caller: str, error: Exception) -> runtime_pb2.ExpertResponse:
+        """The reply to a `kind` request from `caller` that `error` stopped, by the error's code."""
+        code = code_of(error)
+        self.errors[code] += 1
+        if code == ErrorCode.BAD_REQUEST:
+            logger.info(f"bad {kind} request from {caller[-8:]}: {error}")
+            return self.admission.bad_request(caller, str(error))
+        if code == ErrorCode.INTERNAL:  # a bug or a device error: report it, keep serving
+            logger.error(f"a {kind} request failed", exc_info=error)
+            return make_error_reply(f"internal error on the stage peer: {type(error).__name__}: {error}", code)
+        return make_error_reply(str(error), code)
+
+
+def _attempt(work: Callable[[StageCompute], T], compute: StageCompute) -> T | _Failed:
+    """In the worker: `work(compute)`, or what stopped it (never raises: one request's failure is its own)."""
+    try:
+        return work(compute)
+    except Exception as error:
+        return _Failed(error)
