@@ -31,7 +31,7 @@ examples:
       the swarm's health, its stages and its peers, once
   peer-status --join my-swarm.json --watch 5
       the same, refreshed in place every 5 seconds (Ctrl-C to stop)
-  peer-status --join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... --json
+  peer-status --join /ip4/203.0.113.7/tcp/31337/p2p/QmXhR... --json
       one JSON document with everything shown (for scripts); with --watch, one per line
   peer-status --join my-swarm.json --peer 3xYzAbCd
       one peer in detail (a part of its id of at least 4 characters, or its public name)

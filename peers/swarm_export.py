@@ -52,7 +52,7 @@ examples:
       download every stage's current parameters from the swarm into one file
   swarm-export --join my-swarm.json --out model.safetensors --timeout 600 --json
       allow 10 minutes (a large model on a slow link) and print the summary as one JSON document
-  swarm-export --join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... --out model.safetensors
+  swarm-export --join /ip4/203.0.113.7/tcp/31337/p2p/QmXhR... --out model.safetensors
       the same through any running peer, which hands out the manifest
   python examples/generate.py --model model.safetensors --prompt "def main("
       sample text from the exported model

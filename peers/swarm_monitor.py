@@ -36,7 +36,7 @@ examples:
       the page at http://127.0.0.1:8080/, history in ~/.cache/swarm/monitor/<swarm id>.sqlite
   swarm-monitor --join my-swarm.json --host 0.0.0.0 --port 8000 --history /var/lib/swarm/history.sqlite
       a public page (put it behind a reverse proxy with TLS), its history where you choose
-  swarm-monitor --join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... --tensorboard runs/swarm
+  swarm-monitor --join /ip4/203.0.113.7/tcp/31337/p2p/QmXhR... --tensorboard runs/swarm
       also log loss, samples/s, peers and balance efficiency for TensorBoard (pip install 'swarm[tensorboard]')
   WANDB_MODE=offline swarm-monitor --join my-swarm.json --wandb my-project
       the same through wandb, to local files (pip install 'swarm[wandb]'; `wandb sync` uploads them later)

@@ -21,7 +21,7 @@ examples:
       join a swarm whose manifest lists initial peers; pick the stage that needs help most
   swarm-peer --join https://example.org/my-swarm.json#0123456789abcdef
       the same with a published manifest; the part after # is the swarm id it must have
-  swarm-peer --join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+  swarm-peer --join /ip4/203.0.113.7/tcp/31337/p2p/QmXhR...
       join through any running peer; it hands out the swarm's manifest
   swarm-peer --join my-swarm.json --stage 1 --no-trainer --device cuda
   swarm-peer --join my-swarm.json --trainer-only

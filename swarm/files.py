@@ -103,5 +103,7 @@ def _fsync_folder(folder: Path) -> None:
 
 
 def cache_root() -> Path:
-    """Where Swarm keeps what it can make again: $SWARM_CACHE_DIR, or ~/.cache/swarm."""
-    return Path(os.environ.get("SWARM_CACHE_DIR") or Path.home() / ".cache" / "swarm")
+    """Where Swarm keeps what it can make again: $SWARM_CACHE_DIR, or $XDG_CACHE_HOME/swarm, or ~/.cache/swarm."""
+    if os.environ.get("SWARM_CACHE_DIR"):
+        return Path(os.environ["SWARM_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "swarm"

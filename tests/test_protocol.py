@@ -131,6 +131,8 @@ def test_the_handlers_keep_their_names_on_the_wire():
 @pytest.mark.parametrize(("declared", "server"), [(StageRPC, StageService), (ReachabilityRPC, ReachabilityService)])
 def test_the_server_implements_every_declared_rpc_with_the_declared_handlers(declared, server):
     assert handlers(server) == handlers(declared)  # the stubs a client makes from wire/ reach the server's
+    # each class collected its own list (an inherited one would hide a handler the server declares on its own)
+    assert server.__dict__["_rpc_handlers"] is not declared.__dict__["_rpc_handlers"]
     for name in rpc_methods(declared):
         assert getattr(server, name) is not getattr(declared, name), f"{server.__name__} does not implement {name}"
 

@@ -19,11 +19,8 @@ import torch
 from swarm.client.pipeline import NO_PEER_WAIT, TrainerParts
 from swarm.errors import MicrobatchFailedError, RemoteStageError
 from swarm.wire.codes import ErrorCode
-from swarm.wire.hops import check_reply
+from swarm.wire.hops import RELAY_BLAMELESS, check_reply
 from swarm.wire.messages import make_request
-
-# codes of a relayed call's error reply that are no fault of the peer (it has moved, or is busy): no ban
-RELAY_BLAMELESS = (ErrorCode.BUSY, ErrorCode.WRONG_STAGE, ErrorCode.OVERFLOW)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Trainer: reads its data shard, pushes microbatches through one peer per stage and back.
+"""Trainer: reads its data (every shard, in its own order), pushes microbatches through one peer per stage and back.
 
 The choice of a peer per stage is swarm/routing.py's (by the trainer's own observations); the microbatches go
 through one of two pipelines (swarm/client/forwarded.py, the stages pass them on; swarm/client/relay.py, the

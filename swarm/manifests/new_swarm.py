@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from swarm.dataset.documents import training_texts
 from swarm.dataset.shards import prepared_index
 from swarm.dataset.tokenizer import TOKENIZER_FILE, Tokenizer, byte_tokenizer, load_tokenizer, train_tokenizer
 from swarm.errors import ManifestError
+from swarm.files import atomic_write
 from swarm.hf import pretrained as pretrained_model
 
 TOKENIZER_SAMPLE_BYTES = 100_000_000  # a tokenizer is trained on at most about this much text
@@ -124,7 +124,7 @@ def _place_tokenizer(path: Path, tokenizer: Tokenizer, manifest_path: Path, forc
         return path
     destination = _tokenizer_destination(manifest_path)
     _refuse_overwrite(destination, tokenizer, force)
-    shutil.copyfile(path, destination)
+    atomic_write(destination, path.read_bytes())
     return destination
 
 

@@ -81,7 +81,7 @@ class StartupCache:
                 data[key] = {**value, "time": time.time()}
                 if len(data) > MAX_ENTRIES:  # the oldest go first
                     data = dict(sorted(data.items(), key=lambda item: _age_key(item[1]))[-MAX_ENTRIES:])
-                atomic_write(self.path, json.dumps(data))
+                atomic_write(self.path, json.dumps(data), mode=0o600)  # it names this machine and its identities
         except OSError as e:
             logger.info(f"could not write {self.path}: {e}")
 

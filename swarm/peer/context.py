@@ -49,7 +49,3 @@ class PeerContext:
         """A new peer's context: an empty view (read on first use), zero traffic, the starting coordinate, now."""
         view = AnnouncementCache(dht, manifest.swarm_id, manifest.num_stages, max_age=manifest.network.announce_period)
         return cls(manifest, dht, p2p, peer_id, device, view)
-
-    def uptime(self) -> float:
-        """Seconds since the peer started."""
-        return time.monotonic() - self.started

@@ -14,7 +14,8 @@ The guarantees (docs/ARCHITECTURE.md, "Stage-to-stage forwarding"):
   busy or times out, this hop sends the same output to another peer of that stage, while its budget lasts.
 - **No gradient is applied twice.** A peer applies a microbatch's gradient only before its deadline, and its
   caller moves on to another peer only after that deadline plus the grace period; a peer takes each microbatch
-  once (a repeat gets `duplicate`, which ends the microbatch everywhere upstream, nothing applied).
+  once: a repeat of a microbatch it already applied gets its first reply again (nothing is applied twice), and a
+  repeat of one still in progress gets `duplicate`.
 - **Every message is validated** like a trainer's request (swarm id, proofs in a private swarm, bans, sizes,
   shapes, dtypes, finite values), and every reply like a trainer checks one.
 """

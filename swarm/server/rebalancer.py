@@ -23,7 +23,7 @@ from hivemind.utils import get_dht_time
 from swarm.architectures.model import build_stage
 from swarm.balancing.moves import PeerLoad, choose_stage, peer_loads, should_move, stage_totals
 from swarm.dht.records import PeerState
-from swarm.errors import ManifestError, PeerStartError, SwarmError
+from swarm.errors import BalancingError, ManifestError, PeerStartError, SwarmError
 from swarm.events import Event, EventKind, OnEvent, ignore
 from swarm.peer.context import PeerContext
 from swarm.server.announcer import announced_rate
@@ -128,6 +128,8 @@ class Rebalancer:
                 target = await self.check()
                 if target is not None and not stop.is_set():
                     await self.move(target)
+            except BalancingError as e:  # records that make no sense (a throughput of NaN): not a reason to stop
+                logger.warning(f"balance check failed: {e!r}")
             except SwarmError:
                 raise  # serving nothing at all: swarm-peer stops with the error
             except Exception as e:  # a failed check, or a move called off: the peer goes on serving

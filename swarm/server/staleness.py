@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-FACTOR = 4.0  # measured: 1 / (1 + 4 x 1.47) brought 4-in-flight from 2.89 to 2.63 (1 in flight: 2.50)
+FACTOR = (
+    4.0  # measured: 1 / (1 + 4 x 1.47) brought 4-in-flight from 2.89 to 2.67 (1 in flight: 2.51; docs/BENCHMARKS.md)
+)
 DELAY_EMA = 0.1
 MAX_DELAY = 64.0  # steps
 

@@ -23,7 +23,7 @@ HEALTHY, DEGRADED, UNREACHABLE = 0, 1, 2  # peer-status's exit codes
 
 
 def short_id(peer_id: str) -> str:
-    """The end of a peer id: the start is the same for every peer ("12D3KooW")."""
+    """The end of a peer id: the start is the same for every peer ("Qm" and the same few characters)."""
     return peer_id[-SHORT_ID_LENGTH:]
 
 

@@ -31,6 +31,9 @@ BLAMELESS = (
     ErrorCode.TOO_LATE,
     ErrorCode.OVERFLOW,
 )
+# the relay pipeline's (the trainer calls each stage itself): a stage that is busy, moved, or whose gradient
+# overflowed did nothing wrong
+RELAY_BLAMELESS = (ErrorCode.BUSY, ErrorCode.WRONG_STAGE, ErrorCode.OVERFLOW)
 MAX_HOP_SECONDS = 1e6  # a hop timing above this is malformed
 
 

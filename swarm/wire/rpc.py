@@ -37,6 +37,14 @@ class _Service(ServicerBase):
         return name if namespace is None else f"{namespace}::{name}"
 
     @classmethod
+    def _collect_rpc_handlers(cls) -> None:
+        # hivemind keeps the list in a class attribute that subclasses inherit: once a client's stub had filled it
+        # for StageRPC, StageService would reuse it and silently skip an rpc_* method declared only on the server
+        if "_rpc_handlers" not in cls.__dict__:
+            cls._rpc_handlers = None
+        super()._collect_rpc_handlers.__func__(cls)
+
+    @classmethod
     def handle_name(cls, method_name: str) -> str:
         """The name of the handler of `method_name` on the wire."""
         return cls._get_handle_name(cls.NAMESPACE, method_name)
