@@ -4,5 +4,6 @@
 - corpus.py: tokenizing a corpus once into memory-mapped token shards and their index (swarm-data prepare, the cache).
 - shards.py: reading prepared shards (TokenShards), each trainer's order (TrainingStream), held-out batches.
 - tokenizer.py: the byte vocabulary or a Hugging Face tokenizer.json (loaded, or a byte-level BPE trained here).
-- tokenizer_source.py: where a peer gets its swarm's tokenizer (cache, next to the manifest, its URL, the peers).
+- tokenizer_source.py: where a peer finds its swarm's tokenizer (its cache, next to the manifest, its URL); asking the
+  peers for it is swarm/client/rpc.py's (tokenizer_from_peers).
 """

@@ -1,8 +1,8 @@
 """The peer-wide context: what belongs to the peer as a whole, not to the stage it serves now nor to its trainer.
 
-The Peer (swarm/peer/peer.py) makes one when it starts and hands it to its parts: the rebalancer (and through it
-each StageServer the peer serves in turn, and their averaging rounds), the trainer, the pinger and the reverse
-connector. What they share through it:
+The Peer (swarm/peer/peer.py) makes one when it starts and hands it to the rebalancer (and through it to each
+StageServer the peer serves in turn, and their averaging rounds); the trainer, the pinger and the reverse connector
+get the fields they use. What the parts share through it:
 
 - identity: the peer id, and the device it computes on; with the swarm's manifest and the peer's DHT and p2p
   handles, which every part calls through;
