@@ -163,7 +163,9 @@ def test_specs_parse(text, expected):
     assert LinkSpec.parse(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "fast", "20mbps", "20mbit/25", "0mbit", "1:2:3mbit", "20mbit/25ms/1ms/2ms"])
+@pytest.mark.parametrize(
+    "text", ["", "fast", "20mbps", "20mbit/25", "0mbit", "1:2:3mbit", "1.2.3mbit", "20mbit/25ms/1ms/2ms"]
+)
 def test_bad_specs_say_what_a_spec_looks_like(text):
     with pytest.raises(EmulatedLinkError, match="like|is RATE|rate"):
         LinkSpec.parse(text)

@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_manifest_dict
 from swarm.client.export import write_safetensors
 from swarm.errors import ExportError, ManifestError
-from swarm.files import atomic_write
+from swarm.files import atomic_write, cache_root
 from swarm.manifests.loading import load_manifest, write_manifest
 from swarm.manifests.validation import manifest_from_dict
 from swarm.server.checkpoint import save_checkpoint
@@ -137,3 +137,14 @@ def test_checkpoints_exports_and_the_throughput_cache_leave_no_temporary_file(tm
         write_cached(tmp_path / "taken", "a", 1.0)  # only a cache: a warning, no error
     assert "could not write the throughput cache" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "checkpoints", "model.safetensors", "taken"]
+
+
+def test_every_cache_lives_under_one_root_that_honours_swarm_cache_dir_then_xdg(tmp_path, monkeypatch):
+    monkeypatch.delenv("SWARM_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "swarm"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "swarm"
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
