@@ -69,15 +69,17 @@ def measure_compute_throughput(
     does not recompute it; recomputation happens only after failures and is not part of the figure."""
     config, batch = manifest.model, manifest.training.microbatch_size
     length = config.context_length
+    tokens = torch.randint(0, config.vocab_size, (batch, length), device=device)
     if model.first:
-        inputs = torch.randint(0, config.vocab_size, (batch, length), device=device)
-    else:
-        inputs = torch.randn(batch, length, config.width, device=device, requires_grad=True)
+        inputs = tokens
+    else:  # hidden states as they arrive: [width], or [subspace_rank] coordinates (swarm/wire/boundary.py)
+        width = config.subspace_rank or config.width
+        inputs = torch.randn(batch, length, width, device=device, requires_grad=True)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def once() -> None:
         begin = time.perf_counter()
-        out = model(inputs)
+        out = model(inputs, tokens if model.takes_tokens else None)
         torch.autograd.grad(out.float().square().mean(), params)  # grads are returned, never accumulated
         _synchronize(device)
         if simulated is not None:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from swarm.architectures import architecture
+from swarm.architectures.subspace import Subspace, SubspaceEmbeddings, into_subspace
 from swarm.errors import ManifestError
 from swarm.manifests.manifest import Manifest, ModelConfig
 
@@ -30,7 +31,10 @@ LOSS_CHUNK_TOKENS = 2048  # tokens whose logits the last stage holds at once whi
 
 
 class StageModel(nn.Module):
-    """The layers of one stage. Input: tokens (stage 0) or hidden states; output: hidden states or logits."""
+    """The layers of one stage. Input: tokens (stage 0) or hidden states; output: hidden states or logits.
+
+    In a subspace model (model.subspace_rank, swarm/architectures/subspace.py) the hidden states between stages
+    are their `rank` coordinates, and a stage after the first also takes the microbatch's token ids."""
 
     def __init__(
         self,
@@ -49,10 +53,18 @@ class StageModel(nn.Module):
         self.compute_dtype = DTYPES[precision]
         self.activation_checkpointing = activation_checkpointing
         parts = architecture(config.architecture)
-        self.embeddings = parts.Embeddings(config) if first else None
+        self.subspace = Subspace(config) if config.subspace_rank else None
+        if first:
+            self.embeddings = (
+                parts.Embeddings(config) if self.subspace is None else SubspaceEmbeddings(config, self.subspace)
+            )
+        else:
+            self.embeddings = None
         self.blocks = nn.ModuleList()
         for index in layers:
             block = parts.Block(config)
+            if self.subspace is not None:
+                into_subspace(block, self.subspace)
             _init_component(block, config, f"block{index}")
             self.blocks.append(block)
         self.head = parts.Head(config) if last else None
@@ -63,27 +75,44 @@ class StageModel(nn.Module):
             if config.tie_embeddings and self.embeddings is not None:
                 self.head.lm_head.weight = self.embeddings.tokens.weight
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Logits on the last stage (in the compute dtype), hidden states otherwise (float32: the residual stream
-        stays float32 under autocast)."""
-        with self._autocast(inputs.device):
-            x = self._blocks(inputs)
-            return self.head(x) if self.head is not None else x
+    @property
+    def takes_tokens(self) -> bool:
+        """True if this stage needs the token ids besides its inputs: a stage after the first of a subspace model."""
+        return self.subspace is not None and not self.first
 
-    def _blocks(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits on the last stage (in the compute dtype), hidden states otherwise (float32: the residual stream
+        stays float32 under autocast); `tokens` [batch, length] only where `takes_tokens`."""
+        with self._autocast(inputs.device):
+            x = self._blocks(inputs, tokens)
+            if self.head is not None:
+                return self.head(x)
+            if self.subspace is not None:
+                return self.subspace.to_boundary(x, inputs if self.first else tokens)
+            return x
+
+    def _blocks(self, inputs: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
         """The embeddings (stage 0) and the blocks, each recomputed in backward with activation checkpointing."""
-        x = self.embeddings(inputs) if self.embeddings is not None else inputs
+        if self.embeddings is not None:
+            x = self.embeddings(inputs)
+        elif self.subspace is not None:
+            assert tokens is not None, "a subspace stage after the first takes the token ids"
+            x = self.subspace.from_boundary(inputs, tokens)
+        else:
+            x = inputs
         for block in self.blocks:
             x = _checkpointed(block, x) if self.activation_checkpointing and torch.is_grad_enabled() else block(x)
         return x
 
-    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The last stage's mean loss, `loss(self(inputs), targets)`, without ever holding all the logits: the head
-        runs on LOSS_CHUNK_TOKENS tokens at a time, each chunk recomputed in backward (the logits of a microbatch
-        of 8 x 1,024 tokens and a 32k vocabulary are 1.5 GB in bfloat16 and float32 together)."""
+    def forward_loss(
+        self, inputs: torch.Tensor, targets: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The last stage's mean loss, `loss(self(inputs, tokens), targets)`, without ever holding all the logits:
+        the head runs on LOSS_CHUNK_TOKENS tokens at a time, each chunk recomputed in backward (the logits of a
+        microbatch of 8 x 1,024 tokens and a 32k vocabulary are 1.5 GB in bfloat16 and float32 together)."""
         assert self.head is not None, "only the last stage computes the loss"
         with self._autocast(inputs.device):
-            x = self._blocks(inputs)
+            x = self._blocks(inputs, tokens)
             hidden, flat = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
             if not torch.is_grad_enabled() or flat.numel() <= LOSS_CHUNK_TOKENS:
                 return self.loss(self.head(hidden), flat)

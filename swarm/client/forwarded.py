@@ -26,6 +26,7 @@ from swarm.client.window import AdaptiveWindow
 from swarm.errors import MicrobatchFailedError, RemoteStageError
 from swarm.network.coordinates import Vivaldi
 from swarm.routing import ORIGIN, online_peers
+from swarm.wire.boundary import token_tensor
 from swarm.wire.codes import ErrorCode
 from swarm.wire.hops import BLAMELESS, MIN_BUDGET, HopTiming, check_reply, decode_hops, grace, onward_budget
 from swarm.wire.messages import make_request
@@ -57,6 +58,7 @@ class ForwardedPipeline:
         """Send the microbatch to stage 0 with a route, and retry elsewhere until it succeeds or its deadline
         passes (MicrobatchFailedError); its loss and samples."""
         parts = self.parts
+        targets = token_tensor(self.manifest, inputs, targets)  # the window in a subspace swarm
         microbatch_id = uuid.uuid4().hex
         timeouts = self.manifest.training.timeouts
         deadline = time.monotonic() + (timeout if timeout is not None else timeouts.microbatch)

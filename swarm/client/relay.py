@@ -18,6 +18,7 @@ import torch
 
 from swarm.client.pipeline import NO_PEER_WAIT, TrainerParts
 from swarm.errors import MicrobatchFailedError, RemoteStageError
+from swarm.wire.boundary import boundary_width, middle_extras, token_tensor
 from swarm.wire.codes import ErrorCode
 from swarm.wire.hops import RELAY_BLAMELESS, check_reply
 from swarm.wire.messages import make_request
@@ -26,7 +27,7 @@ from swarm.wire.messages import make_request
 @dataclass
 class _Hop:
     peer_id: str
-    inputs: torch.Tensor
+    inputs: list[torch.Tensor]  # what its forward took: with the token window in a subspace swarm
 
 
 class RelayedPipeline:
@@ -40,22 +41,25 @@ class RelayedPipeline:
         microbatch_id = uuid.uuid4().hex
         deadline = time.monotonic() + self.manifest.training.timeouts.microbatch
         last = self.manifest.num_stages - 1
-        hidden = (*inputs.shape, self.manifest.model.width)  # shape of activations and their gradients
+        hidden = (*inputs.shape, boundary_width(self.manifest))  # shape of activations and their gradients
         samples = inputs.shape[0]
+        tokens = token_tensor(self.manifest, inputs, targets)
+        extras = middle_extras(self.manifest, tokens)
         hops: list[_Hop] = []
         done_by: list[str] = []  # the peers that ran this microbatch's forward, stage by stage
         try:
             x = inputs
             for stage in range(last):
                 # the peer's work on this microbatch counts as outstanding until its backward is done
+                sent = [x, *extras] if stage else [x]
                 peer_id, (x_next,) = await self.call(
-                    stage, "forward", microbatch_id, [x], [hidden], deadline, hold=True
+                    stage, "forward", microbatch_id, sent, [hidden], deadline, hold=True
                 )
-                hops.append(_Hop(peer_id, x))
+                hops.append(_Hop(peer_id, sent))
                 done_by.append(peer_id)
                 x = x_next
             expect = [(), hidden] if last else [()]  # the loss, and the gradient of the last stage's inputs
-            last_peer, outputs = await self.call(last, "forward", microbatch_id, [x, targets], expect, deadline)
+            last_peer, outputs = await self.call(last, "forward", microbatch_id, [x, tokens], expect, deadline)
             loss, grad = float(outputs[0]), outputs[-1]
             for stage in reversed(range(last)):
                 grad = await self._backward(stage, hops[stage], microbatch_id, grad, hidden, deadline)
@@ -80,22 +84,25 @@ class RelayedPipeline:
             # the peer lost the activations (or is busy): let it, or another peer, recompute from the inputs
             prefer = hop.peer_id if e.code in (ErrorCode.UNKNOWN_MICROBATCH, ErrorCode.BUSY) else None
             _, outputs = await self.call(
-                stage, "backward", microbatch_id, [grad, hop.inputs], expect, deadline, prefer=prefer
+                stage, "backward", microbatch_id, [grad, *hop.inputs], expect, deadline, prefer=prefer
             )
         except Exception as e:  # timeout or connection failure: the peer may still be working on it
             self.parts.ban(hop.peer_id, f"backward on stage {stage} failed: {type(e).__name__}: {e}")
-            _, outputs = await self.call(stage, "backward", microbatch_id, [grad, hop.inputs], expect, deadline)
+            _, outputs = await self.call(stage, "backward", microbatch_id, [grad, *hop.inputs], expect, deadline)
         return outputs[0] if expect else None
 
     async def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, deadline: float) -> float:
         """The loss of one batch, forward only."""
         microbatch_id = uuid.uuid4().hex
-        hidden = (*inputs.shape, self.manifest.model.width)
+        hidden = (*inputs.shape, boundary_width(self.manifest))
         last = self.manifest.num_stages - 1
+        tokens = token_tensor(self.manifest, inputs, targets)
+        extras = middle_extras(self.manifest, tokens)
         x = inputs
         for stage in range(last):
-            _, (x,) = await self.call(stage, "forward", microbatch_id, [x], [hidden], deadline, train=False)
-        _, (loss,) = await self.call(last, "forward", microbatch_id, [x, targets], [()], deadline, train=False)
+            sent = [x, *extras] if stage else [x]
+            _, (x,) = await self.call(stage, "forward", microbatch_id, sent, [hidden], deadline, train=False)
+        _, (loss,) = await self.call(last, "forward", microbatch_id, [x, tokens], [()], deadline, train=False)
         return float(loss)
 
     async def call(

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from swarm.architectures.subspace import fold_subspace
 from swarm.errors import ManifestError
 from swarm.manifests.manifest import ModelConfig
 
@@ -72,7 +73,10 @@ def hf_name(config: ModelConfig, name: str) -> str:
 
 
 def to_hf_state(config: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Swarm's whole-model state under transformers' names (GPT's Conv1D weights transposed), contiguous."""
+    """Swarm's whole-model state under transformers' names (GPT's Conv1D weights transposed), contiguous. A
+    subspace model is written as the ordinary Llama it is: its basis folded into the weights that write into it."""
+    if config.subspace_rank:
+        state = fold_subspace(config, dict(state))
     result = {}
     for name, tensor in state.items():
         if config.tie_embeddings and name == "head.lm_head.weight":

@@ -50,6 +50,9 @@ class ModelConfig:
     intermediate_size: int = 0  # of the MLP; 0: 4 x width (gpt), or SwiGLU's 8/3 x width rounded up to 256 (llama)
     tie_embeddings: bool = False  # the LM head reuses the token embeddings (only a one-stage swarm can)
     rope_theta: float = 10000.0  # llama
+    # llama: > 0 confines the residual stream to a fixed subspace of this rank, so that stage boundaries carry
+    # `subspace_rank` numbers per token instead of `width` (swarm/architectures/subspace.py); 0: off
+    subspace_rank: int = 0
     norm_eps: float = 1e-5
     seed: int = 0
 
@@ -251,7 +254,15 @@ class Manifest:
 
 # settings added by issue 16: written out only when they differ from their defaults
 LATER_FIELDS = {
-    ModelConfig: ("architecture", "kv_heads", "intermediate_size", "tie_embeddings", "rope_theta", "norm_eps"),
+    ModelConfig: (
+        "architecture",
+        "kv_heads",
+        "intermediate_size",
+        "tie_embeddings",
+        "rope_theta",
+        "subspace_rank",
+        "norm_eps",
+    ),
     TrainingConfig: ("precision", "activation_checkpointing"),
     DataConfig: ("index_sha256", "tokenizer", "tokenizer_sha256"),
 }

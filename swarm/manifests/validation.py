@@ -67,6 +67,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
         intermediate_size=m.integer("intermediate_size", minimum=0, maximum=1_000_000),
         tie_embeddings=m.boolean("tie_embeddings"),
         rope_theta=m.number("rope_theta", minimum=1.0, maximum=1e9),
+        subspace_rank=m.integer("subspace_rank", minimum=0, maximum=65536),
         norm_eps=m.number("norm_eps", minimum=1e-12, maximum=0.1),
         seed=m.integer("seed", minimum=0, maximum=2**63 - 1),
     )
@@ -137,6 +138,11 @@ def manifest_from_dict(raw: Any) -> Manifest:
         raise ManifestError(
             "manifest fields 'pretrained.path' and 'pretrained.sha256': give both or neither; swarm-init "
             "--from-pretrained writes both"
+        )
+    if pretrained.path and model.subspace_rank:
+        raise ManifestError(
+            "manifest field 'model.subspace_rank': a pretrained model's layers do not write into a subspace, so its "
+            "stages cannot send subspace coordinates; set it to 0 to fine-tune a pretrained model"
         )
 
     n = obj.section("network", NetworkConfig)
@@ -210,6 +216,7 @@ def _file_name(fields: Fields, key: str) -> str:
 
 
 def _check_model(model: ModelConfig) -> None:
+    _check_subspace(model)
     if model.width % model.heads != 0:
         raise ManifestError(
             f"manifest field 'model.heads': width {model.width} must be divisible by heads {model.heads}"
@@ -224,6 +231,27 @@ def _check_model(model: ModelConfig) -> None:
     if model.architecture == "llama" and model.head_dim % 2:
         raise ManifestError(
             f"manifest field 'model.heads': rotary embeddings need an even head size, width/heads is {model.head_dim}"
+        )
+
+
+def _check_subspace(model: ModelConfig) -> None:
+    rank = model.subspace_rank
+    if not rank:
+        return
+    if model.architecture != "llama":
+        raise ManifestError(
+            f"manifest field 'model.subspace_rank': subspace stages are built for llama blocks, this model is "
+            f"{model.architecture}; set it to 0 or use architecture llama"
+        )
+    if rank >= model.width:
+        raise ManifestError(
+            f"manifest field 'model.subspace_rank': {rank} is not smaller than the width {model.width}, so it would "
+            f"send more than the hidden states; use a rank below {model.width} (a width/16 or so), or 0 to turn it off"
+        )
+    if model.tie_embeddings:
+        raise ManifestError(
+            "manifest field 'model.subspace_rank': a subspace model's embeddings are not a [vocab, width] matrix the "
+            "LM head could share; set tie_embeddings to false"
         )
 
 

@@ -33,6 +33,7 @@ from swarm.manifests.manifest import Manifest
 from swarm.server.precision import LossScaler
 from swarm.server.staleness import StalenessControl
 from swarm.throughput import FORWARD_SHARE, SimulatedSpeed
+from swarm.wire.boundary import boundary_width, check_token_tensor, sends_window, split_window
 from swarm.wire.messages import StageRequest
 from swarm.wire.state import (
     load_state_tensors,
@@ -42,7 +43,7 @@ from swarm.wire.state import (
     trainable_parameters,
 )
 from swarm.wire.tensors import all_finite
-from swarm.wire.validation import check_grad, check_inputs, check_targets
+from swarm.wire.validation import check_grad, check_inputs
 
 ACTIVATION_CACHE_BYTES = 1 << 30
 MAX_LEDGER = 200_000  # forwarded microbatch ids remembered (about 100 bytes each)
@@ -158,41 +159,56 @@ class StageCompute:
         return outputs
 
     def _forward(self, req: StageRequest, caller: str) -> list[torch.Tensor]:
-        expected = 2 if self.last else 1
+        window = sends_window(self.manifest) and not self.first
+        expected = 2 if self.last or window else 1
         if len(req.tensors) != expected:
-            what = "[inputs, targets]" if self.last else "[inputs]"
+            what = "[inputs, window]" if window else "[inputs, targets]" if self.last else "[inputs]"
             raise BadRequestError(f"forward of stage {self.stage} takes {what}, got {len(req.tensors)} tensors")
         inputs = req.tensors[0]
         check_inputs(inputs, self.manifest, self.stage)
-        if self.last:
-            check_targets(req.tensors[1], inputs, self.manifest.model.vocab_size)
+        if expected == 2:
+            check_token_tensor(self.manifest, req.tensors[1], inputs)
+        tokens, targets = self._tokens(req.tensors[1] if expected == 2 else None)
         x = inputs.to(self.device)
 
         if not req.train:
             with torch.no_grad():
-                out = self.model(x)
+                out = self.model(x, tokens)
                 if self.last:
-                    return [StageModel.loss(out, req.tensors[1].to(self.device)).float().cpu()]
+                    return [StageModel.loss(out, targets).float().cpu()]
                 return [out.float().cpu()]
 
         if not self.first:
             x.requires_grad_(True)
         if self.last:  # the last stage runs backward at once and returns the gradient of its inputs
-            loss = self.model.forward_loss(x, req.tensors[1].to(self.device))
+            loss = self.model.forward_loss(x, targets, tokens)
             grads = self._gradients(loss, x, None, self.params)
             self.counters.samples_served += inputs.shape[0]
             result = [loss.detach().float().cpu()]
             return result if self.first else result + [grads.cpu()]
         weights = self._stashed_weights()
-        out = self._run(x, weights)
+        out = self._run(x, weights, tokens)
         self._remember(caller, req.microbatch_id, x, out, weights)
         return [out.detach().float().cpu()]
+
+    def _tokens(self, tensor: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(tokens this stage's model takes, targets) from a request's token tensor (swarm/wire/boundary.py)."""
+        if tensor is None:
+            return None, None
+        tensor = tensor.to(self.device)
+        if not sends_window(self.manifest):
+            return None, tensor
+        tokens, targets = split_window(tensor)
+        return (None if self.first else tokens), targets
 
     def _backward(self, req: StageRequest, caller: str) -> list[torch.Tensor]:
         if self.last:
             raise BadRequestError("the last stage runs backward within forward; do not send it backward")
-        if len(req.tensors) not in (1, 2):
-            raise BadRequestError(f"backward takes [grad_outputs] or [grad_outputs, inputs], got {len(req.tensors)}")
+        window = sends_window(self.manifest) and not self.first
+        recompute = 3 if window else 2
+        if len(req.tensors) not in (1, recompute):
+            what = "[grad_outputs, inputs, window]" if window else "[grad_outputs, inputs]"
+            raise BadRequestError(f"backward takes [grad_outputs] or {what}, got {len(req.tensors)} tensors")
         grad = req.tensors[0]
         key = (caller, req.microbatch_id)
         cached = self._cache.get(key)
@@ -204,20 +220,23 @@ class StageCompute:
         else:
             # No activations here (evicted, or this peer did not run the microbatch's forward, e.g. because that
             # peer failed): recompute forward with the current weights from the inputs sent along.
-            if len(req.tensors) != 2:
+            if len(req.tensors) != recompute:
                 raise UnknownMicrobatchError(
                     f"no forward of microbatch {req.microbatch_id} is cached here; resend backward with its inputs"
                 )
             inputs = req.tensors[1]
             check_inputs(inputs, self.manifest, self.stage)
+            if window:
+                check_token_tensor(self.manifest, req.tensors[2], inputs)
+            tokens, _ = self._tokens(req.tensors[2] if window else None)
             batch, length = inputs.shape[:2]
-            check_grad(grad, (batch, length, self.manifest.model.width))
+            check_grad(grad, (batch, length, boundary_width(self.manifest)))
             self.counters.recomputed_forwards += 1
             x = inputs.to(self.device)
             if not self.first:
                 x.requires_grad_(True)
             weights = self._stashed_weights()
-            out = self._run(x, weights)
+            out = self._run(x, weights, tokens)
         grad_inputs = self._gradients(out, x, grad.to(self.device), weights)
         self.counters.samples_served += x.shape[0]
         return [] if self.first else [grad_inputs.cpu()]
@@ -233,8 +252,8 @@ class StageCompute:
             self._stash_version = self.weights_version
         return self._stash
 
-    def _run(self, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-        return torch.func.functional_call(self.model, dict(zip(self.param_names, weights)), (x,))
+    def _run(self, x: torch.Tensor, weights: list[torch.Tensor], tokens: torch.Tensor | None) -> torch.Tensor:
+        return torch.func.functional_call(self.model, dict(zip(self.param_names, weights)), (x, tokens))
 
     def _gradients(
         self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None, weights: list[torch.Tensor]

@@ -47,6 +47,7 @@ from swarm.routing import Router, online_peers
 from swarm.server.compute import StageCompute
 from swarm.server.request_path import RequestPath
 from swarm.watch.stats import Traffic
+from swarm.wire.boundary import check_token_tensor, sends_window
 from swarm.wire.codes import ErrorCode
 from swarm.wire.hops import (
     BLAMELESS,
@@ -62,7 +63,6 @@ from swarm.wire.messages import Onward, StageRequest, make_reply, make_request
 from swarm.wire.tensors import gradient_fingerprint, wire_compression
 from swarm.wire.validation import (
     check_inputs,
-    check_targets,
     decode_fields,
     decode_metadata,
     decode_onward,
@@ -171,7 +171,8 @@ class Forwarder:
         if not fields.train:
             return self._reply(outputs, forwarded.compute_seconds, arrival, hops)
         loss, grad = outputs
-        backward = StageRequest(fields.stage, fields.microbatch_id, True, [grad, inputs])
+        extras = [targets] if sends_window(self.manifest) and self.stage > 0 else []
+        backward = StageRequest(fields.stage, fields.microbatch_id, True, [grad, inputs, *extras])
         # backward of a forward taken on is never refused: its slot is taken without admission's checks
         result = await path.run("train", caller, lambda c: _backward(c, backward, caller, deadline, loss))
         if isinstance(result, runtime_pb2.ExpertResponse):
@@ -300,8 +301,9 @@ def _forward(
     max_elements: int,
     deadline: float,
 ) -> _Forwarded | _Replayed:
-    """A hop's forward: read the tensors [inputs, targets], take the microbatch on (once), run forward (the last
-    stage: forward, loss and backward). Raises what it cannot serve (the microbatch is let go again)."""
+    """A hop's forward: read the tensors [inputs, targets] (the window in a subspace swarm: swarm/wire/boundary.py),
+    take the microbatch on (once), run forward (the last stage: forward, loss and backward). Raises what it cannot
+    serve (the microbatch is let go again)."""
     begin = time.perf_counter()
     claimed = False
     try:
@@ -312,13 +314,14 @@ def _forward(
             raise WrongStageError(f"this peer serves stage {compute.stage} now, not stage {req.stage}")
         inputs, targets = req.tensors
         check_inputs(inputs, compute.manifest, compute.stage)
-        check_targets(targets, inputs, compute.manifest.model.vocab_size)
+        check_token_tensor(compute.manifest, targets, inputs)
         if req.train:
             if (replay := compute.replay(req.microbatch_id)) is not None:
                 return _Replayed(replay)
             compute.claim(req.microbatch_id)
             claimed = True
-        tensors = req.tensors if compute.last else [inputs]
+        takes_tokens = compute.last or (sends_window(compute.manifest) and not compute.first)
+        tensors = req.tensors if takes_tokens else [inputs]
         step = StageRequest(req.stage, req.microbatch_id, req.train, tensors)
         outputs = compute.process("forward", step, caller, apply_before=deadline)
         if compute.last and claimed:

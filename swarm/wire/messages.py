@@ -9,6 +9,9 @@ says is checked on arrival (swarm/wire/validation.py) before it reaches a model.
 Forward request:   tensors [inputs] or, on the last stage, [inputs, targets]; metadata {train: bool}.
 Forward reply:     [outputs] on other stages; on the last stage [loss] or, when training, [loss, grad_inputs].
 Backward request:  tensors [grad_outputs] or [grad_outputs, inputs] (inputs let any peer recompute forward).
+                   In a subspace swarm the stages after the first also take the token window: [inputs, window]
+                   where the others take [inputs] or [inputs, targets], and [grad_outputs, inputs, window]
+                   (swarm/wire/boundary.py).
 Backward reply:    [grad_inputs], or no tensor on stage 0 (its inputs are tokens).
 Train request:     (stage-to-stage forwarding, server/forwarding.py) tensors [inputs, targets]; metadata also
                    {route: peer ids of the later stages, budget: seconds to reply}.
@@ -39,6 +42,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from swarm import PROTOCOL_VERSION
 from swarm.errors import BadRequestError, RemoteStageError
 from swarm.manifests.manifest import Manifest
+from swarm.wire.boundary import wire_token_dtype
 from swarm.wire.codes import ErrorCode
 from swarm.wire.tensors import decode_tensor, encode_tensor, wire_compression
 
@@ -104,8 +108,9 @@ def make_request(
     }
     if proof is not None:
         metadata["proof"] = proof
-    compression = wire_compression(manifest)
-    return runtime_pb2.ExpertRequest(tensors=[encode_tensor(t, compression) for t in tensors], metadata=pack(metadata))
+    compression, token_dtype = wire_compression(manifest), wire_token_dtype(manifest)
+    encoded = [encode_tensor(t, compression, token_dtype) for t in tensors]
+    return runtime_pb2.ExpertRequest(tensors=encoded, metadata=pack(metadata))
 
 
 def make_control_request(manifest: Manifest, proof: str | None = None, **fields) -> runtime_pb2.ExpertRequest:

@@ -31,6 +31,8 @@ _BYTES_PER_ELEMENT = {
     ("float32", runtime_pb2.CompressionType.UNIFORM_8BIT): 1,
     ("bfloat16", runtime_pb2.CompressionType.NONE): 2,
     ("int64", runtime_pb2.CompressionType.NONE): 8,
+    ("int32", runtime_pb2.CompressionType.NONE): 4,  # token ids of a subspace swarm (swarm/wire/boundary.py)
+    ("int16", runtime_pb2.CompressionType.NONE): 2,
 }
 
 PRINT_SIZE = 16  # numbers in a gradient's fingerprint (with fewer, the gap it estimates is noisier)
@@ -51,9 +53,14 @@ def wire_compression(manifest: Manifest) -> str:
     return training.activation_compression
 
 
-def encode_tensor(tensor: torch.Tensor, compression: str = "float32") -> runtime_pb2.Tensor:
-    """A tensor as it goes on the wire; only float32 tensors are compressed (token ids never are)."""
+def encode_tensor(
+    tensor: torch.Tensor, compression: str = "float32", token_dtype: torch.dtype = torch.int64
+) -> runtime_pb2.Tensor:
+    """A tensor as it goes on the wire; only float32 tensors are compressed; token ids (int64) go as `token_dtype`
+    (which must hold them: swarm/wire/boundary.py picks it from the vocabulary)."""
     tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.int64 and token_dtype != torch.int64:
+        return serialize_torch_tensor(tensor.to(token_dtype), runtime_pb2.CompressionType.NONE)
     if compression == "bfloat16" and tensor.dtype == torch.float32 and tensor.numel() >= MIN_8BIT_ELEMENTS:
         # 2 bytes a value (hivemind's own serializer widens bfloat16 to float32 unless told otherwise globally)
         values = tensor.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
@@ -78,7 +85,7 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
         compression = names.get(proto.compression, proto.compression)
         raise BadRequestError(
             f"{name}: dtype {proto.dtype or '(none)'!r} with compression {compression} is not accepted "
-            "(use float32, float16, bfloat16 or 8-bit activations and int64 tokens)"
+            "(use float32, float16, bfloat16 or 8-bit activations and int64, int32 or int16 tokens)"
         )
     shape = list(proto.size)
     if len(shape) > 4:
@@ -97,6 +104,8 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
         proto.requires_grad = False
     try:
         tensor = deserialize_torch_tensor(proto)
+        if tensor.dtype in (torch.int16, torch.int32):
+            return tensor.long()  # token ids: the stages index with int64
         return tensor.float() if tensor.dtype == torch.bfloat16 else tensor  # stages take float32 (autocast)
     except Exception as e:
         raise BadRequestError(f"{name}: cannot be deserialized ({type(e).__name__})") from None

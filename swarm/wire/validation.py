@@ -15,6 +15,7 @@ from hivemind.proto import runtime_pb2
 from swarm import PROTOCOL_VERSION
 from swarm.errors import BadRequestError
 from swarm.manifests.manifest import Manifest
+from swarm.wire.boundary import boundary_width
 from swarm.wire.messages import Onward, StageRequest, unpack
 from swarm.wire.tensors import all_finite, decode_tensor
 
@@ -92,8 +93,8 @@ def decode_request(
 
 def decode_tensors(request: runtime_pb2.ExpertRequest, fields: StageRequest, max_elements: int) -> StageRequest:
     """The request's tensors (headers and sizes checked), into `fields` (from decode_fields)."""
-    if len(request.tensors) > 2:
-        raise BadRequestError(f"{len(request.tensors)} tensors sent, at most 2 are accepted")
+    if len(request.tensors) > 3:
+        raise BadRequestError(f"{len(request.tensors)} tensors sent, at most 3 are accepted")
     fields.tensors = [decode_tensor(t, max_elements, f"tensor {i}") for i, t in enumerate(request.tensors)]
     return fields
 
@@ -115,17 +116,18 @@ def max_message_bytes(manifest: Manifest) -> int:
 
 
 def check_inputs(inputs: torch.Tensor, manifest: Manifest, stage: int) -> None:
-    """Stage 0 takes token ids [batch, length]; other stages take hidden states [batch, length, width]."""
+    """Stage 0 takes token ids [batch, length]; other stages take hidden states [batch, length, width] (their
+    subspace coordinates [batch, length, rank] in a subspace swarm: swarm/wire/boundary.py)."""
     config, training = manifest.model, manifest.training
+    width = boundary_width(manifest)
     if stage == 0:
         if inputs.dtype != torch.int64 or inputs.dim() != 2:
             raise BadRequestError(f"stage 0 inputs must be int64 token ids [batch, length], got {_describe(inputs)}")
         check_tokens(inputs, config.vocab_size, "inputs")
     else:
-        if inputs.dtype != torch.float32 or inputs.dim() != 3 or inputs.shape[2] != config.width:
+        if inputs.dtype != torch.float32 or inputs.dim() != 3 or inputs.shape[2] != width:
             raise BadRequestError(
-                f"stage {stage} inputs must be float32 hidden states [batch, length, {config.width}], "
-                f"got {_describe(inputs)}"
+                f"stage {stage} inputs must be float32 hidden states [batch, length, {width}], got {_describe(inputs)}"
             )
         check_finite(inputs, "inputs")
     batch, length = inputs.shape[:2]
@@ -133,15 +135,6 @@ def check_inputs(inputs: torch.Tensor, manifest: Manifest, stage: int) -> None:
         raise BadRequestError(f"batch size {batch} is outside 1..{training.microbatch_size} (microbatch_size)")
     if not 1 <= length <= config.context_length:
         raise BadRequestError(f"sequence length {length} is outside 1..{config.context_length} (context_length)")
-
-
-def check_targets(targets: torch.Tensor, inputs: torch.Tensor, vocab_size: int) -> None:
-    """The last stage's targets: int64 token ids of the inputs' [batch, length]."""
-    if targets.dtype != torch.int64 or tuple(targets.shape) != tuple(inputs.shape[:2]):
-        raise BadRequestError(
-            f"targets must be int64 token ids of shape {list(inputs.shape[:2])}, got {_describe(targets)}"
-        )
-    check_tokens(targets, vocab_size, "targets")
 
 
 def check_grad(grad: torch.Tensor, expected_shape: tuple[int, ...]) -> None:

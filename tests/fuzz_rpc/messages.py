@@ -13,7 +13,7 @@ from hivemind.proto import runtime_pb2
 from fuzzing import FIRST, LAST, MANIFEST
 from swarm import PROTOCOL_VERSION
 from swarm.errors import BadRequestError
-from swarm.wire import validation
+from swarm.wire import boundary, validation
 from swarm.wire.messages import split_message
 from swarm.wire.rpc import ReachabilityRPC, StageRPC
 from swarm.wire.tensors import encode_tensor
@@ -105,7 +105,7 @@ def might_change_weights(data: bytes, method: str, stage: int) -> bool:
                 return False
             validation.check_inputs(req.tensors[0], MANIFEST, stage)
             if stage == LAST:
-                validation.check_targets(req.tensors[1], req.tensors[0], VOCAB)
+                boundary.check_token_tensor(MANIFEST, req.tensors[1], req.tensors[0])
             return True
         if len(req.tensors) != 2:  # without inputs: refused, as no identity reuses a cached microbatch id
             return False

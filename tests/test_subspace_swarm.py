@@ -1,0 +1,69 @@
+"""A subspace swarm with real peer processes (swarm/architectures/subspace.py): three stages and a trainer, each
+behind an emulated link that counts the bytes it carries. It trains (the loss falls), and what its middle stage's
+link carries per token is what benchmarks/stage_traffic.py claims: rank bytes of 8-bit coordinates and 2 bytes of
+token window each way on a boundary, against width bytes in 8-bit."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import tiny_manifest_dict
+from swarm.network.emulated_links import EmulatedLinks, LinkSpec
+
+pytestmark = pytest.mark.integration
+
+BATCH, LENGTH, WIDTH, RANK = 8, 32, 128, 8
+MODEL = {"architecture": "llama", "width": WIDTH, "depth": 3, "heads": 4, "intermediate_size": 256}
+
+
+def boundary_bytes_per_token(rank: int, length: int, batch: int) -> float:
+    """What one boundary carries per token, both ways, as benchmarks/stage_traffic.py counts it: the coordinates
+    in 8-bit (hivemind's codebook of 256 float32 per tensor), the int16 window forward, their gradient back."""
+    tokens = batch * length
+    coordinates = rank + (8 + 4 * 256) / tokens
+    window = 2 * (length + 1) / length
+    return 2 * coordinates + window
+
+
+@pytest.mark.slow(40)
+@pytest.mark.parametrize("pipeline", ["forward", "relay"])
+def test_a_subspace_swarm_trains_and_its_middle_link_carries_rank_bytes_per_token(pipeline, start_peer, write_manifest):
+    """Both pipelines: stage-to-stage forwarding, and the relay, where the trainer carries every tensor (and a
+    middle stage's forward takes [coordinates, window])."""
+    raw = tiny_manifest_dict(
+        model={**MODEL, "subspace_rank": RANK},
+        stages={"count": 3},
+        training={"microbatches_per_step": 2, "activation_compression": "8bit", "pipeline": pipeline},
+        averaging={"mode": "none"},
+    )
+    status = ("--status-every", "1")
+    link = LinkSpec.parse("unlimited")
+    with EmulatedLinks(lifetime=300) as links:
+        first = start_peer(write_manifest(raw), "--stage", "0", "--no-trainer", *status, *links.peer_flags("s0", link))
+        raw["initial_peers"] = [first.maddr()]
+        path = write_manifest(raw, "joined.json")
+        middle = start_peer(path, "--stage", "1", "--no-trainer", *status, *links.peer_flags("s1", link))
+        last = start_peer(path, "--stage", "2", "--no-trainer", *status, *links.peer_flags("s2", link))
+        for peer in (first, middle, last):
+            peer.wait_for("serving stage", timeout=90)
+        trainer = start_peer(path, "--trainer-only", *status, *links.peer_flags("trainer", link))
+        trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= 10 * BATCH, timeout=120)
+        start, carried_before = trainer.status_lines()[-1], links.carried()["s1"]
+        trainer.wait_for_json(
+            lambda s: (s.get("trainer_samples") or 0) >= start["trainer_samples"] + 60 * BATCH, timeout=120
+        )
+        end, carried_after = trainer.status_lines()[-1], links.carried()["s1"]
+
+    tokens = (end["trainer_samples"] - start["trainer_samples"]) * LENGTH
+    per_token = sum(carried_after[d] - carried_before[d] for d in ("up", "down")) / tokens
+    # the middle peer's link carries two boundaries (in from stage 0, out to stage 2; in the relay both go through
+    # the trainer), each both ways, plus metadata, the DHT's and pings' bytes: 30% more here, at 256 tokens a
+    # microbatch (about 4 KB of each microbatch's messages are not tensors)
+    claim = 2 * boundary_bytes_per_token(RANK, LENGTH, BATCH)
+    assert claim <= per_token <= 1.6 * claim, (per_token, claim)
+    assert per_token < 2 * 2 * WIDTH / 4  # a quarter of what 8-bit hidden states of full width would take
+    losses = [s["trainer_loss"] for s in trainer.status_lines() if s.get("trainer_loss") is not None]
+    assert losses[-1] < losses[0] - 0.3, losses  # it trains
+    print(
+        f"middle link: {per_token:.1f} B/token (claim {claim:.1f}, 8-bit full width {4 * WIDTH}); loss {losses[0]:.2f} -> {losses[-1]:.2f}"
+    )
