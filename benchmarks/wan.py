@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import stop_on_sigterm  # noqa: E402
+from benchmarks.gpu_scenarios import SCENARIOS, local_link  # noqa: E402
 from peers import processes  # noqa: E402
 from swarm.manifests.loading import write_manifest  # noqa: E402
 from swarm.manifests.manifest import COMPRESSIONS  # noqa: E402
@@ -81,10 +82,12 @@ def run_setting(
     adaptive: bool,
     compression: str | None,
     folder: Path,
+    setting: dict | None = None,
+    manifest: dict | None = None,
 ) -> dict:
-    setting = SETTINGS[name]
+    setting = setting or SETTINGS[name]
     routing = setting.get("routing", "network_aware")
-    manifest = manifest_for(pipeline, window, adaptive, routing, compression)
+    manifest = manifest or manifest_for(pipeline, window, adaptive, routing, compression)
     label = f"{name}-{pipeline}"
     path = folder / f"{label}.json"
     write_manifest_dict(manifest, path)
@@ -155,6 +158,7 @@ def run_setting(
         "network_bound": round(min(bounds), 2) if bounds else None,
         "trainer_bytes_per_sample": round(trainer_bytes / samples),
         "stage_link_bytes_per_sample": {k: round(sum(carried[k].values()) / samples) for k in links_of},
+        "uplink_bytes_per_sample": {k: round(carried[k]["up"] / samples) for k in links_of},
         "samples_served": {k: served1[k] - served0[k] for k in links_of},
         "window": windows,
         "max_window": window,
@@ -162,6 +166,77 @@ def run_setting(
         "relay_cpu_cores": round(relay_cpu, 2),
         "samples": samples,
     }
+
+
+def scenario_manifest(method: str, window: int) -> dict:
+    """The local swarm of the GPU-equivalent scenarios: a small Llama in 3 stages, 8-bit hidden states, or their
+    subspace coordinates at width/16 (as the scenario's GPU model)."""
+    manifest = manifest_for("forward", window, True, "network_aware", "8bit")
+    manifest["model"] = {
+        "architecture": "llama",
+        "vocab_size": 256,
+        "width": 128,
+        "depth": 6,
+        "heads": 4,
+        "intermediate_size": 384,
+        "context_length": 128,
+        "seed": 0,
+        "subspace_rank": 8 if method == "subspace" else 0,
+    }
+    return manifest
+
+
+def run_scenarios(names: list[str], methods: list[str], args: argparse.Namespace, folder: Path) -> None:
+    """For each method: the local swarm on unshaped links (its compute bound: seconds per microbatch and uplink
+    bytes per microbatch of its middle stage), then, per scenario, behind the links that give it the scenario's
+    transfer and delay ratios (benchmarks/gpu_scenarios.py). One JSON line per scenario and method."""
+    for method in methods:
+        manifest = scenario_manifest(method, args.window)
+        run = dict(pipeline="forward", seconds=args.seconds, warmup=args.warmup, window=args.window, adaptive=True)
+        unshaped = run_setting(
+            f"unshaped-{method}",
+            **run,
+            compression=None,
+            folder=folder,
+            setting=SETTINGS["unshaped"],
+            manifest=dict(manifest),
+        )
+        batch = manifest["training"]["microbatch_size"]
+        local_seconds = batch / unshaped["samples_per_second"]
+        uplink = unshaped["uplink_bytes_per_sample"]["stage1-0"] * batch
+        for name in names:
+            scenario = SCENARIOS[name]
+            link = local_link(scenario, method, local_seconds, uplink)
+            setting = {"stages": [[link]] * STAGES, "trainer": link}
+            shaped = run_setting(
+                f"{name}-{method}", **run, compression=None, folder=folder, setting=setting, manifest=dict(manifest)
+            )
+            fraction = shaped["samples_per_second"] / unshaped["samples_per_second"]
+            ratio = scenario.transfer_ratio(method)
+            print(
+                json.dumps(
+                    {
+                        "scenario": name,
+                        "method": method,
+                        "gpu_compute_seconds": round(scenario.gpu_compute_seconds(method), 4),
+                        "gpu_uplink_bytes_per_microbatch": round(scenario.gpu_uplink_bytes(method)),
+                        "transfer_over_compute": round(ratio, 3),
+                        "delay_over_compute": round(scenario.delay_ratio(method), 3),
+                        "arithmetic_bound": round(min(1.0, 1 / ratio), 3),
+                        "local_link": link,
+                        "local_seconds_per_microbatch": round(local_seconds, 4),
+                        "local_uplink_bytes_per_microbatch": round(uplink),
+                        "samples_per_second": shaped["samples_per_second"],
+                        "compute_bound": unshaped["samples_per_second"],
+                        "fraction_of_compute_bound": round(fraction, 3),
+                        "projected_tokens_per_second": round(
+                            fraction * scenario.compute_bound_tokens_per_second(method)
+                        ),
+                        "failed_microbatches": shaped["failed_microbatches"],
+                    }
+                ),
+                flush=True,
+            )
 
 
 def last_line(peer: processes.PeerProcess) -> dict:
@@ -199,7 +274,22 @@ def main() -> None:
         help="how stages send activations and gradients (default: the manifest's, 8bit)",
     )
     parser.add_argument("--fixed-window", action="store_true", help="always --window in flight (default: adaptive)")
+    parser.add_argument(
+        "--scenarios",
+        help=f"GPU-equivalent scenarios instead of the settings, comma-separated, of {', '.join(SCENARIOS)}",
+    )
+    parser.add_argument("--methods", default="8bit,subspace", help="with --scenarios: 8bit, subspace or both")
     args = parser.parse_args()
+    if args.scenarios:
+        chosen = [n for n in args.scenarios.split(",") if n]
+        unknown = [n for n in chosen if n not in SCENARIOS]
+        if unknown:
+            parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
+        stop_on_sigterm()
+        folder = Path(tempfile.mkdtemp(prefix="swarm-wan-"))
+        print(f"peer logs: {folder}", file=sys.stderr)
+        run_scenarios(chosen, args.methods.split(","), args, folder)
+        return
     names = [n for n in args.settings.split(",") if n]
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:

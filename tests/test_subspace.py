@@ -183,3 +183,50 @@ def test_token_windows_travel_as_int16_and_bad_ones_are_refused():
     bad.buffer = bad.buffer[:-2]
     with pytest.raises(BadRequestError, match="buffer has"):
         decode_tensor(bad, 10_000, "window")
+
+
+def hostile_requests(manifest, stage: int):
+    """Requests a subspace stage after the first must refuse (label, kind, tensors)."""
+    batch, length = 2, 16
+    x = torch.randn(batch, length, RANK)
+    window = torch.randint(0, LLAMA["vocab_size"], (batch, length + 1))
+    nan = x.clone()
+    nan[0, 0, 0] = float("nan")
+    return [
+        ("no window", "forward", [x]),
+        ("targets in place of the window", "forward", [x, window[:, 1:]]),
+        ("a window one token too long", "forward", [x, torch.zeros(batch, length + 2, dtype=torch.int64)]),
+        ("a window of another batch", "forward", [x, window[:1]]),
+        ("window ids past the vocabulary", "forward", [x, window + LLAMA["vocab_size"]]),
+        ("negative window ids", "forward", [x, window - LLAMA["vocab_size"]]),
+        ("a float window", "forward", [x, window.float()]),
+        ("full-width hidden states", "forward", [torch.randn(batch, length, LLAMA["width"]), window]),
+        ("coordinates of rank + 1", "forward", [torch.randn(batch, length, RANK + 1), window]),
+        ("NaN coordinates", "forward", [nan, window]),
+        ("three tensors", "forward", [x, window, window]),
+        ("recompute without the window", "backward", [x, x]),
+        ("recompute with a bad window", "backward", [x, x, window[:, :-1]]),
+        ("recompute with a gradient of full width", "backward", [torch.randn(batch, length, 64), x, window]),
+    ]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_subspace_stage_refuses_malformed_coordinates_and_windows_and_is_unharmed(stage):
+    from swarm.server.compute import StageCompute
+    from swarm.wire.messages import StageRequest
+
+    manifest = subspace_manifest(stages=3)
+    compute = StageCompute(manifest, stage, build_stage(manifest, stage), torch.device("cpu"))
+    before = {name: p.detach().clone() for name, p in compute.model.named_parameters()}
+    for label, kind, tensors in hostile_requests(manifest, stage):
+        if kind == "backward" and stage == 2:
+            continue  # the last stage takes no backward at all (refused, as tested elsewhere)
+        with pytest.raises(BadRequestError):
+            compute.process(kind, StageRequest(stage, "m", True, tensors), "fuzz")
+            pytest.fail(f"accepted: {label}")
+    assert all(torch.equal(p, before[name]) for name, p in compute.model.named_parameters())
+    # and it still serves a valid request
+    x = torch.randn(2, 16, RANK)
+    window = torch.randint(0, LLAMA["vocab_size"], (2, 17))
+    outputs = compute.process("forward", StageRequest(stage, "ok", False, [x, window]), "fuzz")
+    assert outputs[0].shape == ((2, 16, RANK) if stage == 1 else ())

@@ -90,6 +90,7 @@ PRESETS: dict[str, Preset] = {
             "heads": 16,
             "intermediate_size": 2688,
             "context_length": 1024,
+            "subspace_rank": 64,  # stage boundaries carry 64 numbers a token, not 1024 (docs/BENCHMARKS.md)
         },
         stages=2,
         training={
@@ -114,6 +115,7 @@ PRESETS: dict[str, Preset] = {
             "kv_heads": 4,
             "intermediate_size": 5632,
             "context_length": 2048,
+            "subspace_rank": 128,  # stage boundaries carry 128 numbers a token, not 2048 (docs/BENCHMARKS.md)
         },
         stages=4,
         training={

@@ -199,7 +199,10 @@ def stage_one_tensor_cases() -> list[tuple[str, list]]:
         ("targets of 2**63-1", [x, with_value(y, 2**63 - 1)]),
         ("targets of -2**63", [x, with_value(y, -(2**63))]),
         ("float targets", [x, y.float()]),
-        ("int32 targets", [x, raw_tensor("int32", [BATCH, LENGTH], bytes(4 * BATCH * LENGTH))]),
+        # token ids may travel narrow (int32, int16: swarm/wire/boundary.py), but must fit their buffer and vocabulary
+        ("int32 targets of 2**31-1", [x, raw_tensor("int32", [BATCH, LENGTH], b"\xff\xff\xff\x7f" * BATCH * LENGTH)]),
+        ("int16 targets of -1", [x, raw_tensor("int16", [BATCH, LENGTH], b"\xff\xff" * BATCH * LENGTH)]),
+        ("int16 targets one byte short", [x, raw_tensor("int16", [BATCH, LENGTH], bytes(2 * BATCH * LENGTH - 1))]),
         ("targets of another shape", [x, tokens(BATCH, LENGTH + 1)]),
         ("batch 0", [hidden(0), tokens(0)]),
         ("batch larger than microbatch_size", [hidden(9), tokens(9)]),
