@@ -230,3 +230,23 @@ def test_a_subspace_stage_refuses_malformed_coordinates_and_windows_and_is_unhar
     window = torch.randint(0, LLAMA["vocab_size"], (2, 17))
     outputs = compute.process("forward", StageRequest(stage, "ok", False, [x, window]), "fuzz")
     assert outputs[0].shape == ((2, 16, RANK) if stage == 1 else ())
+
+
+def test_a_stage_state_taken_by_a_fresh_peer_gives_the_same_coordinates():
+    """What a joining or moving peer (or a restart from a checkpoint) loads is the weights and optimizer state;
+    the basis it rebuilds from the seed, so its outputs at the boundary equal the trained peer's."""
+    from swarm.server.compute import StageCompute
+    from swarm.wire.messages import StageRequest
+
+    manifest = subspace_manifest(stages=3)
+    trained = StageCompute(manifest, 1, build_stage(manifest, 1), torch.device("cpu"))
+    x, window = torch.randn(2, 16, RANK), torch.randint(0, LLAMA["vocab_size"], (2, 17))
+    for step in range(3):  # a few optimizer steps, so the state differs from a fresh one
+        trained.process("forward", StageRequest(1, f"m{step}", True, [x, window]), "trainer")
+        trained.process("backward", StageRequest(1, f"m{step}", True, [torch.randn(2, 16, RANK)]), "trainer")
+    items, counters = trained.snapshot()
+    fresh = StageCompute(manifest, 1, build_stage(manifest, 1), torch.device("cpu"))
+    fresh.load_state(items, counters)
+    ask = StageRequest(1, "eval", False, [x, window])
+    assert torch.equal(fresh.process("forward", ask, "t")[0], trained.process("forward", ask, "t")[0])
+    assert fresh.counters.optimizer_steps == trained.counters.optimizer_steps == 3

@@ -46,13 +46,23 @@ def test_a_subspace_swarm_trains_and_its_middle_link_carries_rank_bytes_per_toke
         last = start_peer(path, "--stage", "2", "--no-trainer", *status, *links.peer_flags("s2", link))
         for peer in (first, middle, last):
             peer.wait_for("serving stage", timeout=90)
-        trainer = start_peer(path, "--trainer-only", *status, *links.peer_flags("trainer", link))
+        trainer = start_peer(
+            path, "--trainer-only", "--check-fraction", "0.5", *status, *links.peer_flags("trainer", link)
+        )
         trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= 10 * BATCH, timeout=120)
         start, carried_before = trainer.status_lines()[-1], links.carried()["s1"]
         trainer.wait_for_json(
             lambda s: (s.get("trainer_samples") or 0) >= start["trainer_samples"] + 60 * BATCH, timeout=120
         )
         end, carried_after = trainer.status_lines()[-1], links.carried()["s1"]
+        if pipeline == "forward":
+            # a second stage-1 peer joins mid-run: it builds the same basis, takes the stage's state from the first,
+            # and the trainer's checks (the same microbatch through both replicas) find their results agree
+            joiner = start_peer(path, "--stage", "1", "--no-trainer", *status, *links.peer_flags("s1b", link))
+            joiner.wait_for_json(lambda s: (s.get("samples_served") or 0) >= 10 * BATCH, timeout=120)
+            checked = trainer.status_lines()[-1]["trainer_checks"]
+            line = trainer.wait_for_json(lambda s: s["trainer_checks"] >= checked + 10, timeout=120)
+            assert not line["trainer_convicted"], line
 
     tokens = (end["trainer_samples"] - start["trainer_samples"]) * LENGTH
     per_token = sum(carried_after[d] - carried_before[d] for d in ("up", "down")) / tokens

@@ -5,6 +5,8 @@
   projections (initialised smaller).
 - model.py: a decoder of either, split into pipeline stages: `build_stage` builds one stage's parameters only,
   `build_full_model` the whole model (export, tests).
+- subspace.py: subspace stages (`model.subspace_rank`): a llama whose residual stream lives in a fixed low-rank
+  subspace, so that a stage boundary carries rank numbers per token, exactly; folding it into an ordinary Llama.
 """
 
 from __future__ import annotations

@@ -53,9 +53,9 @@ class Subspace(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        basis, fixed = subspace_basis(config)
-        self.register_buffer("basis", basis.clone(), persistent=False)
-        self.register_buffer("fixed", fixed.clone(), persistent=False)
+        basis, fixed = subspace_basis(config)  # shared with the cache, never written to: no copy (llama-1b's fixed
+        self.register_buffer("basis", basis, persistent=False)  # embedding is 32,000 x 2,048 float32, 262 MB)
+        self.register_buffer("fixed", fixed, persistent=False)
 
     def to_boundary(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """[batch, length, width] hidden states -> the [batch, length, rank] coordinates a boundary carries."""

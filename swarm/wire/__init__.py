@@ -7,5 +7,7 @@
 - tensors.py: codecs of activations and gradients, and the gradient fingerprints both sides compute;
 - codes.py: the one enumeration of error codes and the one map from exceptions to codes;
 - hops.py: a hop's deadlines and budgets, which codes blame a peer, reply checks, hop timings;
-- state.py: the layout of a stage's state, as a state download and a checkpoint carry it.
+- state.py: the layout of a stage's state, as a state download and a checkpoint carry it;
+- boundary.py: what crosses a stage boundary by the kind of swarm: the width of hidden states on the wire, and the
+  token tensor (targets, or a subspace swarm's window) that travels with them.
 """
