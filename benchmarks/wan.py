@@ -3,6 +3,17 @@
     python benchmarks/wan.py [--seconds 40] [--settings unshaped,nanogpt,...] [--pipelines forward,relay]
                              [--activation-compression float32|float16|8bit] [--window 16] [--fixed-window]
 
+    python benchmarks/wan.py --scenarios llama-1b-4090-200mbit[,...] [--methods 8bit,subspace] [--seconds 40]
+
+With --scenarios, the links are set as a GPU would see them (benchmarks/gpu_scenarios.py, docs/BENCHMARKS.md): a
+small Llama in 3 stages first runs on unshaped links (its compute bound: this machine's seconds per microbatch
+and its middle stage's uplink bytes per microbatch), then behind links whose transfer time and delay over that
+compute time equal the scenario's GPU's. One JSON line per scenario and method (8bit: today's hidden states;
+subspace: model.subspace_rank at width/16) with fraction_of_compute_bound (samples/s shaped over unshaped),
+arithmetic_bound (1 / transfer_over_compute, at most 1) and projected_tokens_per_second (the fraction times the
+GPU's compute-bound tokens/s through the pipeline). Scenarios: llama-1b-4090-{200,50,20}mbit,
+llama-7b-4090-50mbit, nanogpt-h100-200mbit.
+
 Each peer (one per stage, a second one on stage 1 in the hetero settings, and two trainer-only peers) sits behind its own emulated link (swarm/network/emulated_links.py:
 bandwidth per direction, one-way delay; a path between two peers crosses both their links). For each setting and
 pipeline (`forward`: stages pass activations to each other; `relay`: the trainer carries them, the protocol before

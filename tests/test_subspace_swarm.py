@@ -36,7 +36,9 @@ def test_a_subspace_swarm_trains_and_its_middle_link_carries_rank_bytes_per_toke
         training={"microbatches_per_step": 2, "activation_compression": "8bit", "pipeline": pipeline},
         averaging={"mode": "none"},
     )
-    status = ("--status-every", "1")
+    # a stated bandwidth: no peer sends a 2 MB bandwidth probe that could land in the measured window (it did
+    # once under CI's load: 600 B/token), since what is measured here is the stages' traffic
+    status = ("--status-every", "1", "--bandwidth", "1000")
     link = LinkSpec.parse("unlimited")
     with EmulatedLinks(lifetime=300) as links:
         first = start_peer(write_manifest(raw), "--stage", "0", "--no-trainer", *status, *links.peer_flags("s0", link))

@@ -120,12 +120,13 @@ class Head(nn.Module):
 
 def block_parameters(config: ModelConfig) -> int:
     width, kv = config.width, config.key_value_heads * config.head_dim
-    attention = 2 * width * width + 2 * width * kv  # q and o; k and v
-    return 2 * width + attention + 3 * width * config.mlp_width
+    written = config.subspace_rank or width  # o_proj and down_proj write rank coordinates in a subspace swarm
+    attention = width * width + written * width + 2 * width * kv  # q and o; k and v
+    return 2 * width + attention + 2 * width * config.mlp_width + written * config.mlp_width
 
 
 def embedding_parameters(config: ModelConfig) -> int:
-    return config.vocab_size * config.width
+    return config.vocab_size * (config.subspace_rank or config.width)
 
 
 def head_parameters(config: ModelConfig) -> int:
