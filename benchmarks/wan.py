@@ -219,35 +219,37 @@ def run_scenarios(names: list[str], methods: list[str], args: argparse.Namespace
             scenario = SCENARIOS[name]
             link = local_link(scenario, method, local_seconds, uplink)
             setting = {"stages": [[link]] * STAGES, "trainer": link}
-            shaped = run_setting(
-                f"{name}-{method}", **run, compression=None, folder=folder, setting=setting, manifest=dict(manifest)
-            )
-            fraction = shaped["samples_per_second"] / unshaped["samples_per_second"]
             ratio = scenario.transfer_ratio(method)
-            print(
-                json.dumps(
-                    {
-                        "scenario": name,
-                        "method": method,
-                        "gpu_compute_seconds": round(scenario.gpu_compute_seconds(method), 4),
-                        "gpu_uplink_bytes_per_microbatch": round(scenario.gpu_uplink_bytes(method)),
-                        "transfer_over_compute": round(ratio, 3),
-                        "delay_over_compute": round(scenario.delay_ratio(method), 3),
-                        "arithmetic_bound": round(min(1.0, 1 / ratio), 3),
-                        "local_link": link,
-                        "local_seconds_per_microbatch": round(local_seconds, 4),
-                        "local_uplink_bytes_per_microbatch": round(uplink),
-                        "samples_per_second": shaped["samples_per_second"],
-                        "compute_bound": unshaped["samples_per_second"],
-                        "fraction_of_compute_bound": round(fraction, 3),
-                        "projected_tokens_per_second": round(
-                            fraction * scenario.compute_bound_tokens_per_second(method)
-                        ),
-                        "failed_microbatches": shaped["failed_microbatches"],
-                    }
-                ),
-                flush=True,
+            figures = {
+                "scenario": name,
+                "method": method,
+                "gpu_compute_seconds": round(scenario.gpu_compute_seconds(method), 4),
+                "gpu_uplink_bytes_per_microbatch": round(scenario.gpu_uplink_bytes(method)),
+                "transfer_over_compute": round(ratio, 3),
+                "delay_over_compute": round(scenario.delay_ratio(method), 3),
+                "arithmetic_bound": round(min(1.0, 1 / ratio), 3),
+                "local_link": link,
+                "local_seconds_per_microbatch": round(local_seconds, 4),
+                "local_uplink_bytes_per_microbatch": round(uplink),
+                "compute_bound": unshaped["samples_per_second"],
+            }
+            try:
+                shaped = run_setting(
+                    f"{name}-{method}", **run, compression=None, folder=folder, setting=setting, manifest=dict(manifest)
+                )
+            except processes.PeerFailed as e:  # a link so slow that a peer cannot even join: say so, go on
+                first_line = str(e).splitlines()[0]
+                figures.update(samples_per_second=None, fraction_of_compute_bound=None, error=first_line)
+                print(json.dumps(figures), flush=True)
+                continue
+            fraction = shaped["samples_per_second"] / unshaped["samples_per_second"]
+            figures.update(
+                samples_per_second=shaped["samples_per_second"],
+                fraction_of_compute_bound=round(fraction, 3),
+                projected_tokens_per_second=round(fraction * scenario.compute_bound_tokens_per_second(method)),
+                failed_microbatches=shaped["failed_microbatches"],
             )
+            print(json.dumps(figures), flush=True)
 
 
 def last_line(peer: processes.PeerProcess) -> dict:
