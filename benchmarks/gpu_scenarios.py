@@ -38,7 +38,7 @@ class Scenario:
 
     def layer_parameters(self, method: str = "8bit") -> int:
         """A block's parameters; in a subspace model its two writing layers are [width/16, inner] (o_proj, down_proj)."""
-        write = self.width // 16 if method == "subspace" else self.width
+        write = self.width // 16 if method.startswith("subspace") else self.width
         attention = self.width * self.width + 2 * self.width * self.kv_width + write * self.width
         return attention + 2 * self.width * self.intermediate + write * self.intermediate + 2 * self.width
 
@@ -54,13 +54,16 @@ class Scenario:
     def gpu_uplink_bytes(self, method: str) -> float:
         """What a middle stage's uplink sends per microbatch: the forward boundary (values and the token tensor)
         and the backward one (values). 8bit: width bytes per token and int64 targets; subspace: width/16 bytes per
-        token (model.subspace_rank) and the int16 window."""
+        token (model.subspace_rank) and the int16 window; subspace-4bit: those coordinates at half a byte each and a
+        2-byte scale per token (swarm/wire/four_bit.py)."""
         if method == "8bit":
             values, token_bytes = self.width, 8
         elif method == "subspace":
             values, token_bytes = self.width // 16, 2
+        elif method == "subspace-4bit":
+            values, token_bytes = self.width // 32 + 2, 2
         else:
-            raise ValueError(f"unknown method {method!r}: 8bit or subspace")
+            raise ValueError(f"unknown method {method!r}: 8bit, subspace or subspace-4bit")
         return self.tokens * (2 * values + token_bytes)
 
     def transfer_ratio(self, method: str) -> float:

@@ -13,8 +13,9 @@ tensors' buffers. Methods:
 
 - float32: hidden states and their gradients uncompressed (the loss reference);
 - 8bit: today's default, hivemind's 8-bit codec on hidden states and gradients;
+- 4bit: 4-bit hidden states and gradients (swarm/wire/four_bit.py: NF4 levels, a bfloat16 scale per token);
 - subspace-R: model.subspace_rank R (swarm/architectures/subspace.py): R coordinates per token in 8-bit, exact;
-  subspace-R-bf16: the same coordinates in bfloat16.
+  subspace-R-bf16 and subspace-R-4bit: the same coordinates in bfloat16 or in 4 bits.
 
 A forward boundary also carries the token tensor a swarm sends with the hidden states (the int64 targets of the
 forward pipeline, or a subspace swarm's int16 window); a backward boundary only the gradient. Held-out loss: 16
@@ -69,12 +70,13 @@ class Method:
 
     @classmethod
     def parse(cls, text: str) -> Method:
-        if text in ("float32", "8bit", "bfloat16"):
+        if text in ("float32", "8bit", "bfloat16", "4bit"):
             return cls(text, 0, text)
         parts = text.split("-")
-        if parts[0] != "subspace" or len(parts) not in (2, 3) or not parts[1].isdigit():
-            raise ValueError(f"a method is float32, bfloat16, 8bit or subspace-RANK[-bf16], not {text!r}")
-        return cls(text, int(parts[1]), "bfloat16" if parts[2:] == ["bf16"] else "8bit")
+        codings = {(): "8bit", ("bf16",): "bfloat16", ("4bit",): "4bit"}
+        if parts[0] != "subspace" or not parts[1:2] or not parts[1].isdigit() or tuple(parts[2:]) not in codings:
+            raise ValueError(f"a method is float32, bfloat16, 8bit, 4bit or subspace-RANK[-bf16|-4bit], not {text!r}")
+        return cls(text, int(parts[1]), codings[tuple(parts[2:])])
 
 
 @dataclass

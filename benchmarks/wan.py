@@ -9,7 +9,7 @@ With --scenarios, the links are set as a GPU would see them (benchmarks/gpu_scen
 small Llama in 3 stages first runs on unshaped links (its compute bound: this machine's seconds per microbatch
 and its middle stage's uplink bytes per microbatch), then behind links whose transfer time and delay over that
 compute time equal the scenario's GPU's. One JSON line per scenario and method (8bit: today's hidden states;
-subspace: model.subspace_rank at width/16) with fraction_of_compute_bound (samples/s shaped over unshaped),
+subspace: model.subspace_rank at width/16; subspace-4bit: those coordinates in 4 bits) with fraction_of_compute_bound (samples/s shaped over unshaped),
 arithmetic_bound (1 / transfer_over_compute, at most 1) and projected_tokens_per_second (the fraction times the
 GPU's compute-bound tokens/s through the pipeline). Scenarios: llama-1b-4090-{200,50,20}mbit,
 llama-7b-4090-50mbit, nanogpt-h100-200mbit.
@@ -192,8 +192,10 @@ def scenario_manifest(method: str, window: int) -> dict:
         "intermediate_size": 384,
         "context_length": 128,
         "seed": 0,
-        "subspace_rank": 8 if method == "subspace" else 0,
+        "subspace_rank": 8 if method.startswith("subspace") else 0,
     }
+    if method == "subspace-4bit":
+        manifest["training"]["activation_compression"] = "4bit"
     return manifest
 
 
@@ -291,7 +293,7 @@ def main() -> None:
         "--scenarios",
         help=f"GPU-equivalent scenarios instead of the settings, comma-separated, of {', '.join(SCENARIOS)}",
     )
-    parser.add_argument("--methods", default="8bit,subspace", help="with --scenarios: 8bit, subspace or both")
+    parser.add_argument("--methods", default="8bit,subspace", help="with --scenarios: 8bit, subspace, subspace-4bit")
     args = parser.parse_args()
     if args.scenarios:
         chosen = [n for n in args.scenarios.split(",") if n]

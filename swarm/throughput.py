@@ -24,7 +24,7 @@ import torch
 from swarm.architectures.model import StageModel
 from swarm.files import atomic_write, cache_root
 from swarm.manifests.manifest import Manifest
-from swarm.wire import tensors
+from swarm.wire import boundary, tensors
 
 logger = logging.getLogger(__name__)
 
@@ -113,12 +113,17 @@ def device_name(device: torch.device) -> str:
 def stage_bytes_per_sample(manifest: Manifest, stage: int) -> tuple[int, int]:
     """(bytes received, bytes sent) by a peer of `stage` per trained sample, as the protocol encodes them."""
     config = manifest.model
-    element = {"float32": 4, "float16": 2, "bfloat16": 2, "8bit": 1}[tensors.wire_compression(manifest)]
-    hidden = config.context_length * config.width * element  # one sample's activations, or their gradient
+    element = {"float32": 4, "float16": 2, "bfloat16": 2, "8bit": 1, "4bit": 0.5}[tensors.wire_compression(manifest)]
+    # one sample's activations, or their gradient: a subspace swarm's boundary carries rank numbers per token
+    hidden = round(config.context_length * boundary.boundary_width(manifest) * element)
     tokens = config.context_length * 8  # int64 token ids
     first, last = stage == 0, stage == manifest.num_stages - 1
     received = (tokens if first else hidden) + (tokens if last else hidden)  # inputs; targets or output gradient
     sent = (0 if first else hidden) + (0 if last else hidden)  # input gradient; outputs
+    if boundary.sends_window(manifest):  # the token window travels with the coordinates, onward to the last stage
+        window = (config.context_length + 1) * boundary.wire_token_dtype(manifest).itemsize
+        received += 0 if first else window
+        sent += 0 if first or last else window
     return received, max(sent, 4)  # the last stage of a one-stage swarm sends only the loss
 
 

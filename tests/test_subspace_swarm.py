@@ -16,24 +16,27 @@ BATCH, LENGTH, WIDTH, RANK = 8, 32, 128, 8
 MODEL = {"architecture": "llama", "width": WIDTH, "depth": 3, "heads": 4, "intermediate_size": 256}
 
 
-def boundary_bytes_per_token(rank: int, length: int, batch: int) -> float:
+def boundary_bytes_per_token(rank: int, length: int, batch: int, compression: str) -> float:
     """What one boundary carries per token, both ways, as benchmarks/stage_traffic.py counts it: the coordinates
-    in 8-bit (hivemind's codebook of 256 float32 per tensor), the int16 window forward, their gradient back."""
+    in 8-bit (hivemind's codebook of 256 float32 per tensor) or in 4 bits (half a byte each and a 2-byte scale per
+    token: swarm/wire/four_bit.py), the int16 window forward, their gradient back."""
     tokens = batch * length
-    coordinates = rank + (8 + 4 * 256) / tokens
+    coordinates = rank + (8 + 4 * 256) / tokens if compression == "8bit" else rank / 2 + 2
     window = 2 * (length + 1) / length
     return 2 * coordinates + window
 
 
 @pytest.mark.slow(40)
-@pytest.mark.parametrize("pipeline", ["forward", "relay"])
-def test_a_subspace_swarm_trains_and_its_middle_link_carries_rank_bytes_per_token(pipeline, start_peer, write_manifest):
+@pytest.mark.parametrize("pipeline, compression", [("forward", "8bit"), ("relay", "4bit")])
+def test_a_subspace_swarm_trains_and_its_middle_link_carries_rank_bytes_per_token(
+    pipeline, compression, start_peer, write_manifest
+):
     """Both pipelines: stage-to-stage forwarding, and the relay, where the trainer carries every tensor (and a
-    middle stage's forward takes [coordinates, window])."""
+    middle stage's forward takes [coordinates, window]); 8-bit coordinates in one, 4-bit ones in the other."""
     raw = tiny_manifest_dict(
         model={**MODEL, "subspace_rank": RANK},
         stages={"count": 3},
-        training={"microbatches_per_step": 2, "activation_compression": "8bit", "pipeline": pipeline},
+        training={"microbatches_per_step": 2, "activation_compression": compression, "pipeline": pipeline},
         averaging={"mode": "none"},
     )
     # a stated bandwidth: no peer sends a 2 MB bandwidth probe that could land in the measured window (it did
@@ -71,7 +74,7 @@ def test_a_subspace_swarm_trains_and_its_middle_link_carries_rank_bytes_per_toke
     # the middle peer's link carries two boundaries (in from stage 0, out to stage 2; in the relay both go through
     # the trainer), each both ways, plus metadata, the DHT's and pings' bytes: 30% more here, at 256 tokens a
     # microbatch (about 4 KB of each microbatch's messages are not tensors)
-    claim = 2 * boundary_bytes_per_token(RANK, LENGTH, BATCH)
+    claim = 2 * boundary_bytes_per_token(RANK, LENGTH, BATCH, compression)
     assert claim <= per_token <= 1.6 * claim, (per_token, claim)
     assert per_token < 2 * 2 * WIDTH / 4  # a quarter of what 8-bit hidden states of full width would take
     losses = [s["trainer_loss"] for s in trainer.status_lines() if s.get("trainer_loss") is not None]

@@ -25,7 +25,8 @@ from swarm.trust.secret import SwarmSecret
 
 OPTIMIZERS = ("adamw", "sgd")
 COMPRESSIONS = ("float32", "float16", "8bit")  # of activations and gradients between stages, and of averaging
-ACTIVATION_COMPRESSIONS = (*COMPRESSIONS, "bfloat16")  # (hivemind's averaging has no bfloat16 codec)
+ACTIVATION_COMPRESSIONS = (*COMPRESSIONS, "bfloat16", "4bit")  # 4bit: swarm/wire/four_bit.py; averaging's
+# 4bit is another codec (swarm/averaging/quantization.py), and hivemind's averaging has no bfloat16 one
 AVERAGING_COMPRESSIONS = (
     *COMPRESSIONS,
     "4bit",

@@ -16,6 +16,8 @@ from hivemind.proto import runtime_pb2
 
 from swarm.errors import BadRequestError
 from swarm.manifests.manifest import Manifest
+from swarm.wire.four_bit import DTYPE as FOUR_BIT_DTYPE
+from swarm.wire.four_bit import decode_4bit, encode_4bit
 
 COMPRESSIONS = {
     "float32": runtime_pb2.CompressionType.NONE,
@@ -67,7 +69,9 @@ def encode_tensor(
         return runtime_pb2.Tensor(
             compression=runtime_pb2.CompressionType.NONE, buffer=values, size=tensor.shape, dtype="bfloat16"
         )
-    kind = COMPRESSIONS[compression] if tensor.dtype == torch.float32 else runtime_pb2.CompressionType.NONE
+    if compression == "4bit" and tensor.dtype == torch.float32 and tensor.numel() >= MIN_8BIT_ELEMENTS:
+        return encode_4bit(tensor)  # half a byte a value, a bfloat16 scale a row (swarm/wire/four_bit.py)
+    kind = COMPRESSIONS.get(compression, 0) if tensor.dtype == torch.float32 else runtime_pb2.CompressionType.NONE
     if kind == runtime_pb2.CompressionType.UNIFORM_8BIT and tensor.numel() < MIN_8BIT_ELEMENTS:
         kind = runtime_pb2.CompressionType.NONE
     return serialize_torch_tensor(tensor, kind)
@@ -80,12 +84,17 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
     """Check a serialized tensor's header and byte size, then deserialize it; BadRequestError (naming the tensor
     `name`) for anything this peer does not accept."""
     key = (proto.dtype, proto.compression)
+    if key == (FOUR_BIT_DTYPE, runtime_pb2.CompressionType.NONE):
+        numel = math.prod(proto.size)
+        if numel > max_elements:
+            raise BadRequestError(f"{name}: {numel} elements, more than the {max_elements} this stage accepts")
+        return decode_4bit(proto, name)
     if key not in _BYTES_PER_ELEMENT:
         names = {number: name for name, number in runtime_pb2.CompressionType.items()}
         compression = names.get(proto.compression, proto.compression)
         raise BadRequestError(
             f"{name}: dtype {proto.dtype or '(none)'!r} with compression {compression} is not accepted "
-            "(use float32, float16, bfloat16 or 8-bit activations and int64, int32 or int16 tokens)"
+            "(use float32, float16, bfloat16, 8-bit or 4-bit activations and int64, int32 or int16 tokens)"
         )
     shape = list(proto.size)
     if len(shape) > 4:

@@ -182,6 +182,23 @@ def header_cases() -> list[tuple[str, runtime_pb2.Tensor]]:
         ),
         ("requires_grad set", raw_tensor("float32", shape, hidden().numpy().tobytes(), requires_grad=True)),
     ]
+    # 4-bit tensors (swarm/wire/four_bit.py): a bfloat16 scale per row, then two codes a byte
+    rows, codes = BATCH * LENGTH, bytes(numel // 2)
+    cases += [
+        ("4-bit scales of NaN", raw_tensor("nf4", shape, b"\xc0\x7f" * rows + codes)),
+        ("4-bit scales of +Inf", raw_tensor("nf4", shape, b"\x80\x7f" * rows + codes)),
+        (
+            "4-bit scales of 3e38 (every value finite, their sum overflows)",
+            raw_tensor("nf4", shape, b"\x62\x7f" * rows + b"\xff" * (numel // 2)),
+        ),
+        ("a 4-bit tensor one byte short", raw_tensor("nf4", shape, bytes(2 * rows + numel // 2 - 1))),
+        ("a 4-bit tensor one byte long", raw_tensor("nf4", shape, bytes(2 * rows + numel // 2 + 1))),
+        ("a 4-bit tensor without scales", raw_tensor("nf4", shape, codes)),
+        ("a 4-bit scalar", raw_tensor("nf4", [], b"")),
+        ("a 4-bit tensor of rows of 0 values", raw_tensor("nf4", [BATCH, LENGTH, 0], b"")),
+        ("a 4-bit tensor of 2**32-1 rows", raw_tensor("nf4", [2**32 - 1, 1], bytes(64))),
+        ("a 4-bit tensor with 8-bit compression", raw_tensor("nf4", shape, bytes(2 * rows) + codes, UNIFORM_8BIT)),
+    ]
     return cases
 
 
@@ -294,7 +311,7 @@ def random_tensor(rng: random.Random) -> runtime_pb2.Tensor:
             special = rng.choice([None, None, float("nan"), float("inf"), 3e38, 1e30, -1e-45])
             if special is not None and tensor.numel():
                 tensor = with_value(tensor, special, everywhere=rng.random() < 0.5)
-            proto = encode_tensor(tensor, rng.choice(["float32", "float16", "8bit"]))
+            proto = encode_tensor(tensor, rng.choice(["float32", "float16", "8bit", "4bit"]))
         else:
             high = rng.choice([VOCAB, VOCAB + 1, 2**62])
             proto = encode_tensor(torch.randint(-1 if rng.random() < 0.2 else 0, high, shape, generator=generator))

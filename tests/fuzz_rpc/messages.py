@@ -25,7 +25,7 @@ NONE = runtime_pb2.CompressionType.NONE
 FLOAT16 = runtime_pb2.CompressionType.FLOAT16
 UNIFORM_8BIT = runtime_pb2.CompressionType.UNIFORM_8BIT
 COMPRESSION_VALUES = [value for _, value in runtime_pb2.CompressionType.items()] + [6, 127, 12345]
-DTYPES = ["float32", "int64", "float16", "float64", "bfloat16", "int32", "int8", "uint8", "bool", "", "evil"]
+DTYPES = ["float32", "int64", "float16", "float64", "bfloat16", "int32", "int8", "uint8", "bool", "nf4", "", "evil"]
 
 
 # the handlers' names on the wire (swarm/wire/rpc.py; tests/test_protocol.py pins them)
