@@ -73,6 +73,7 @@ def raw(size: list[int], buffer: bytes, compression: int = runtime_pb2.Compressi
         (raw([], b""), "dimension"),
         (raw([2, 0], b""), "dimension"),
         (raw([2**32 - 1, 2**32 - 1], bytes(8)), "more than"),
+        (raw([1, 1, 1, 2, 64], bytes(4 + 64)), "dimensions"),  # as for every other format: at most 4
         (raw([2, 64], bytes(4 + 32), runtime_pb2.CompressionType.UNIFORM_8BIT), "not accepted"),
     ],
 )

@@ -71,7 +71,9 @@ def encode_tensor(
         )
     if compression == "4bit" and tensor.dtype == torch.float32 and tensor.numel() >= MIN_8BIT_ELEMENTS:
         return encode_4bit(tensor)  # half a byte a value, a bfloat16 scale a row (swarm/wire/four_bit.py)
-    kind = COMPRESSIONS.get(compression, 0) if tensor.dtype == torch.float32 else runtime_pb2.CompressionType.NONE
+    # (4bit below MIN_8BIT_ELEMENTS, like 8-bit, goes uncompressed)
+    none = runtime_pb2.CompressionType.NONE
+    kind = COMPRESSIONS.get(compression, none) if tensor.dtype == torch.float32 else none
     if kind == runtime_pb2.CompressionType.UNIFORM_8BIT and tensor.numel() < MIN_8BIT_ELEMENTS:
         kind = runtime_pb2.CompressionType.NONE
     return serialize_torch_tensor(tensor, kind)
@@ -84,12 +86,8 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
     """Check a serialized tensor's header and byte size, then deserialize it; BadRequestError (naming the tensor
     `name`) for anything this peer does not accept."""
     key = (proto.dtype, proto.compression)
-    if key == (FOUR_BIT_DTYPE, runtime_pb2.CompressionType.NONE):
-        numel = math.prod(proto.size)
-        if numel > max_elements:
-            raise BadRequestError(f"{name}: {numel} elements, more than the {max_elements} this stage accepts")
-        return decode_4bit(proto, name)
-    if key not in _BYTES_PER_ELEMENT:
+    four_bit = key == (FOUR_BIT_DTYPE, runtime_pb2.CompressionType.NONE)
+    if key not in _BYTES_PER_ELEMENT and not four_bit:
         names = {number: name for name, number in runtime_pb2.CompressionType.items()}
         compression = names.get(proto.compression, proto.compression)
         raise BadRequestError(
@@ -102,6 +100,8 @@ def decode_tensor(proto: runtime_pb2.Tensor, max_elements: int, name: str) -> to
     numel = math.prod(shape)
     if numel > max_elements:
         raise BadRequestError(f"{name}: {numel} elements, more than the {max_elements} this stage accepts")
+    if four_bit:  # its own format: scales and codes, checked there (swarm/wire/four_bit.py)
+        return decode_4bit(proto, name)
     expected = numel * _BYTES_PER_ELEMENT[key]
     if proto.compression == runtime_pb2.CompressionType.UNIFORM_8BIT:
         expected += _8BIT_HEADER_BYTES
