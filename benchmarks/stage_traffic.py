@@ -88,7 +88,7 @@ class Run:
     seconds: float = 0.0
 
 
-def benchmark_manifest(method: Method, width: int, stages: int, seed: int, lr: float) -> Manifest:
+def benchmark_manifest(method: Method, width: int, stages: int, seed: int, lr: float, microbatch: int = 16) -> Manifest:
     raw = fast_test_swarm_dict(
         name="stage-traffic",
         model={
@@ -104,7 +104,7 @@ def benchmark_manifest(method: Method, width: int, stages: int, seed: int, lr: f
         },
         stages={"count": stages},
         training={
-            "microbatch_size": 16,
+            "microbatch_size": microbatch,
             "microbatches_per_step": 1,
             "learning_rate": lr,
             "activation_compression": method.compression,
