@@ -44,7 +44,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_scenarios import SCENARIOS  # noqa: E402
-from benchmarks.stage_traffic import Meter, Method, benchmark_manifest, heldout_loss, loss_of  # noqa: E402
+from benchmarks.stage_traffic import (  # noqa: E402
+    Meter,
+    Method,
+    benchmark_manifest,
+    heldout_loss,
+    loss_of,
+    set_learning_rate,
+    update,
+)
 from swarm.architectures.model import build_stage  # noqa: E402
 from swarm.dataset.shards import TextData, heldout_batches, sample_batch  # noqa: E402
 from swarm.pipeline_schedule import StageCosts, step_seconds  # noqa: E402
@@ -61,18 +69,12 @@ def train_to_target(method: Method, args: argparse.Namespace, data: TextData, he
     rng = np.random.default_rng(1000 + args.seed)  # the same batches for every method
     meter, curve, reached, begin = Meter(), {}, None, time.perf_counter()
     for step in range(1, args.max_steps + 1):
-        warmup = min(1.0, step / args.warmup_steps)
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["lr"] = args.lr * warmup
+        set_learning_rate(optimizers, args.lr * min(1.0, step / args.warmup_steps))
         for _ in range(args.microbatches):
             x, y = sample_batch(data.train, MICROBATCH, CONTEXT, rng)
             (loss_of(stages, manifest, x, y, meter) / args.microbatches).backward()
             meter.tokens += x.numel()
-        for stage, opt in zip(stages, optimizers):
-            torch.nn.utils.clip_grad_norm_(stage.parameters(), manifest.training.max_grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        update(stages, optimizers, manifest)
         if step % args.eval_every == 0:
             curve[step] = round(heldout_loss(stages, manifest, held), 4)
             print(

@@ -155,6 +155,20 @@ def heldout_loss(stages: list[StageModel], manifest: Manifest, batches: list) ->
         return float(np.mean([float(loss_of(stages, manifest, x, y, None)) for x, y in batches]))
 
 
+def set_learning_rate(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = lr
+
+
+def update(stages: list[StageModel], optimizers: list[torch.optim.Optimizer], manifest: Manifest) -> None:
+    """Each stage clips its own gradient and steps, as a peer does."""
+    for stage, opt in zip(stages, optimizers):
+        torch.nn.utils.clip_grad_norm_(stage.parameters(), manifest.training.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def train(method: Method, seed: int, horizons: list[int], args: argparse.Namespace, data: TextData, held: list) -> Run:
     manifest = benchmark_manifest(method, args.width, args.stages, seed, args.lr)
     stages = [build_stage(manifest, s) for s in range(args.stages)]
@@ -165,17 +179,11 @@ def train(method: Method, seed: int, horizons: list[int], args: argparse.Namespa
     for horizon in horizons:
         while samples < horizon:
             x, y = sample_batch(data.train, batch, length, rng)
-            warmup = min(1.0, (samples + batch) / args.warmup_samples)
-            for opt in optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = args.lr * warmup
+            set_learning_rate(optimizers, args.lr * min(1.0, (samples + batch) / args.warmup_samples))
             meter = None if method.name == "float32" else run.meter
             loss = loss_of(stages, manifest, x, y, meter)
             loss.backward()
-            for stage, opt in zip(stages, optimizers):
-                torch.nn.utils.clip_grad_norm_(stage.parameters(), manifest.training.max_grad_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            update(stages, optimizers, manifest)
             samples += batch
             run.meter.tokens += batch * length
         run.heldout[horizon] = heldout_loss(stages, manifest, held)
