@@ -14,7 +14,9 @@ own observations: (samples it has outstanding at that peer + the new ones) x the
 EMA of the forward calls the trainer timed. A peer the trainer has not timed yet is assumed as fast as the
 fastest peer it has timed (or, if none, as its announced throughput says), so new peers get tried early.
 A peer that fails or times out is banned for BASE_BAN seconds, doubling with each further failure up to
-MAX_BAN; a success clears its record of failures.
+MAX_BAN, and for at least WASTE_FACTOR times the seconds its failed call kept the caller waiting (a peer that
+never answers, so that it costs at most 1 / (1 + WASTE_FACTOR) of the caller's time); a success clears its record
+of failures.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ ORIGIN = ""  # the trainer itself, as the first end of the transfer to stage 0
 EMA_WEIGHT = 0.2  # weight of the newest observation in the seconds-per-sample EMA
 BASE_BAN = 5.0
 MAX_BAN = 60.0
+WASTE_FACTOR = 4.0  # a ban lasts at least this many times the wait a failed call cost (a black hole: 20% at most)
 MIN_THROUGHPUT = 1e-3  # a peer announcing 0 samples/s is still routable, as a very slow one
 
 
@@ -179,11 +182,12 @@ class Router:
         record.seconds_per_sample = _ema(record.seconds_per_sample, max(seconds, 1e-6) / max(samples, 1))
         record.failures = 0
 
-    def failed(self, peer_id: str, now: float) -> float:
-        """Ban the peer after a failure; returns the ban's length in seconds (it doubles with each failure)."""
+    def failed(self, peer_id: str, now: float, wasted: float = 0.0) -> float:
+        """Ban the peer after a failure that kept the caller waiting `wasted` seconds; returns the ban's length in
+        seconds (it doubles with each failure, and is at least WASTE_FACTOR x wasted)."""
         record = self.record(peer_id)
         record.failures += 1
-        ban = min(BASE_BAN * 2 ** (record.failures - 1), MAX_BAN)
+        ban = min(max(BASE_BAN * 2 ** (record.failures - 1), WASTE_FACTOR * wasted), MAX_BAN)
         record.banned_until = max(record.banned_until, now + ban)  # never shortens a conviction
         return ban
 

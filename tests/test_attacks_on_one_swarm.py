@@ -117,20 +117,22 @@ def test_a_flood_of_reachability_checks_stops_neither_training_nor_a_newcomers_c
 
 
 def test_a_peer_that_announces_a_huge_throughput_and_answers_nothing_only_slows_training(swarm: Swarm, start_peer):
-    """Stage 1 has an honest peer and one that announces 100,000 samples/s and never answers: the trainer tries
-    it, times out, bans it for longer each time, and trains through the honest peer. (Last: the trainer
+    """Stage 1 has an honest peer and one that announces 100,000 samples/s and never answers: stage 0 tries it,
+    waits out the hop's budget (about 11 s here), bans it for WASTE_FACTOR times that wait, and trains through the
+    honest peer. So in any 30 s after it appears, the hole costs at most one such wait. (Last: the trainer
     remembers the black hole; it is killed at the end, by start_peer.)"""
     hole = start_peer(
         swarm.path, "--stage", "1", "--no-trainer", "--throughput", "100000", module="tests.adversaries.black_hole_peer"
     )
     hole_id = hole.peer_id()
     wait_until(lambda: hole_id in online(swarm, 1), 60, "the black hole to announce itself online", every=0.5)
+    window = 30  # one wait of ~11 s fits in it, a second would not (the ban after the first lasts ~44 s)
     begin = swarm.first.status_lines()[-1]
-    time.sleep(12)  # the window measured: training goes on with the black hole in the swarm
+    time.sleep(window)  # the window measured: training goes on with the black hole in the swarm
     end = swarm.first.status_lines()[-1]
     trained = end["trainer_samples"] - begin["trainer_samples"]
     failed = end["trainer_failed_microbatches"] - begin["trainer_failed_microbatches"]
-    assert trained >= 12 * 8, (begin, end)  # at least a microbatch a second, through the honest peer
+    assert trained >= (window / 2) * 8, (begin, end)  # a microbatch a second for at least half of the window
     assert failed <= 2, (begin, end)
     assert online(swarm, 1)[hole_id] == 0  # it served nothing
-    print(f"with the black hole: {trained / 12:.1f} samples/s, {failed} microbatches failed")
+    print(f"with the black hole: {trained / window:.1f} samples/s, {failed} microbatches failed")

@@ -7,7 +7,7 @@ import dataclasses
 import random
 
 from swarm.dht.records import Announcement, TrainerReport, announceable, parse_announcement, parse_trainer_report
-from swarm.routing import BASE_BAN, MAX_BAN, Router, online_peers
+from swarm.routing import BASE_BAN, MAX_BAN, WASTE_FACTOR, Router, online_peers
 
 
 def ann(peer_id: str, throughput: float = 10.0, state: str = "online", expiration: float = 100.0) -> Announcement:
@@ -63,6 +63,16 @@ def test_bans_grow_with_repeated_failures_and_a_success_clears_them():
     assert router.choose([ann("p")], 8, now=1.0, rng=rng) is None
     router.observed("p", 8, 0.1)
     assert router.failed("p", now=100.0) == BASE_BAN
+
+
+def test_a_peer_that_kept_the_caller_waiting_is_banned_in_proportion_to_the_wait():
+    """A black hole that held a call for 11 s is left out for WASTE_FACTOR x 11 s, not BASE_BAN: it costs the
+    caller at most 1 / (1 + WASTE_FACTOR) of its time; a quick failure keeps the short, doubling ban."""
+    router = Router()
+    assert router.failed("hole", now=0.0, wasted=11.0) == WASTE_FACTOR * 11.0 > 2 * BASE_BAN
+    assert router.is_banned("hole", now=WASTE_FACTOR * 11.0 - 1)
+    assert router.failed("hole", now=50.0, wasted=30.0) == MAX_BAN  # capped like every ban
+    assert router.failed("quick", now=0.0, wasted=0.1) == BASE_BAN
 
 
 def test_excluded_peers_are_never_chosen():

@@ -121,7 +121,7 @@ class ForwardedPipeline:
                 raise
             except Exception as e:  # timeouts, connection errors
                 last_error = e
-                parts.ban(route[0], f"train on stage 0 failed: {type(e).__name__}: {e}")
+                parts.ban(route[0], f"train on stage 0 failed: {type(e).__name__}: {e}", time.monotonic() - begin)
             finally:
                 for peer_id in route:
                     parts.router.finished(peer_id, samples)

@@ -54,7 +54,7 @@ class TrainerParts:
     view: AnnouncementCache
     rng: random.Random
     send: Send
-    ban: Callable[[str, str], None]  # (peer id, why): leave a peer that failed out of routes for a while
+    ban: Callable[..., None]  # (peer id, why, seconds wasted=0): leave a peer that failed out of routes for a while
     proof: str | None  # of membership in a private swarm, sent with every request
     unserved_stages: set[int] = field(default_factory=set)  # stages with no online peer at the last look
     served: collections.Counter[str] = field(default_factory=collections.Counter)  # samples each peer trained

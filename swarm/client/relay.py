@@ -75,6 +75,7 @@ class RelayedPipeline:
     ) -> torch.Tensor | None:
         """Backward of one stage: to the peer that ran forward, else recomputed from the inputs on any peer."""
         expect = [] if stage == 0 else [hidden]
+        begin = time.monotonic()
         try:
             # the peer that ran forward still holds the activations: send only the gradient
             outputs = await self._call_peer(stage, hop.peer_id, "backward", microbatch_id, [grad], expect, deadline)
@@ -87,7 +88,8 @@ class RelayedPipeline:
                 stage, "backward", microbatch_id, [grad, *hop.inputs], expect, deadline, prefer=prefer
             )
         except Exception as e:  # timeout or connection failure: the peer may still be working on it
-            self.parts.ban(hop.peer_id, f"backward on stage {stage} failed: {type(e).__name__}: {e}")
+            wasted = time.monotonic() - begin
+            self.parts.ban(hop.peer_id, f"backward on stage {stage} failed: {type(e).__name__}: {e}", wasted)
             _, outputs = await self.call(stage, "backward", microbatch_id, [grad, *hop.inputs], expect, deadline)
         return outputs[0] if expect else None
 
@@ -151,7 +153,8 @@ class RelayedPipeline:
                 raise
             except Exception as e:  # timeouts, connection errors
                 last_error = e
-                self.parts.ban(peer_id, f"{kind} on stage {stage} failed: {type(e).__name__}: {e}")
+                wasted = time.monotonic() - begin
+                self.parts.ban(peer_id, f"{kind} on stage {stage} failed: {type(e).__name__}: {e}", wasted)
             finally:
                 if not (succeeded and hold):
                     self.parts.router.finished(peer_id, samples)

@@ -185,8 +185,8 @@ class Trainer:
             tasks = [group.create_task(one(*batch)) for batch in batches]
         return float(np.mean([task.result() for task in tasks]))
 
-    def _ban(self, peer_id: str, reason: str) -> None:
-        seconds = self.router.failed(peer_id, time.monotonic())
+    def _ban(self, peer_id: str, reason: str, wasted: float = 0.0) -> None:
+        seconds = self.router.failed(peer_id, time.monotonic(), wasted)
         logger.info(f"banning peer {peer_id[-8:]} for {seconds:.0f}s: {reason}")
 
     # ------------------------------------------------------------------------------------------- reports

@@ -268,7 +268,9 @@ class Forwarder:
                 raise
             except Exception as e:  # timeouts, connection errors
                 last_error = e
-                self._ban(peer_id, f"train on stage {following} failed: {type(e).__name__}: {e}")
+                self._ban(
+                    peer_id, f"train on stage {following} failed: {type(e).__name__}: {e}", time.monotonic() - begin
+                )
             finally:
                 self.router.finished(peer_id, samples)
 
@@ -285,8 +287,8 @@ class Forwarder:
             chosen = self.router.choose(online, samples, now, self.rng, exclude=tried)
         return None if chosen is None else chosen.peer_id
 
-    def _ban(self, peer_id: str, reason: str) -> None:
-        seconds = self.router.failed(peer_id, time.monotonic())
+    def _ban(self, peer_id: str, reason: str, wasted: float = 0.0) -> None:
+        seconds = self.router.failed(peer_id, time.monotonic(), wasted)
         logger.info(f"stage {self.stage}: not sending to {peer_id[-8:]} for {seconds:.0f}s: {reason}")
 
 
