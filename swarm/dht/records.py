@@ -97,6 +97,10 @@ class Announcement:
     activation_bytes_received: int = 0
     averaging_bytes_sent: int = 0  # payload of averaging rounds
     averaging_bytes_received: int = 0
+    # versions of the weights between a microbatch's forward here and the weights its gradient was applied to,
+    # over its last gradients (swarm/server/compute.py): 0 under the step gate (training.pipelining flush)
+    staleness_mean: float = 0.0
+    staleness_max: int = 0
     reachable: bool = True  # False: others cannot dial it (NAT, firewall); it dials them (swarm/server/reachability.py)
     maddrs: tuple[str, ...] = ()  # where to dial it; an unreachable peer dials these of the others
     coordinate: Coordinate | None = None  # its network coordinate (swarm/network/coordinates.py); None: not announced
@@ -164,6 +168,8 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
             activation_bytes_received=_count(record["activation_bytes_received"]),
             averaging_bytes_sent=_count(record["averaging_bytes_sent"]),
             averaging_bytes_received=_count(record["averaging_bytes_received"]),
+            staleness_mean=_rate(record.get("staleness_mean", 0.0)),  # optional: added to protocol 4 later
+            staleness_max=_count(record.get("staleness_max", 0)),
             reachable=_flag(record.get("reachable", True)),  # optional: added to protocol 3 later
             maddrs=_addresses(record.get("maddrs", [])),
             coordinate=None if record.get("coordinate") is None else Coordinate.from_record(record["coordinate"]),

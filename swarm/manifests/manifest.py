@@ -82,6 +82,7 @@ class Timeouts:
 
 
 PIPELINES = ("forward", "relay")
+PIPELININGS = ("flush", "async")
 ROUTINGS = ("network_aware", "compute_only")
 
 
@@ -99,6 +100,10 @@ class TrainingConfig:
     # with the forward pipeline, the number in flight adapts to the route (swarm/client/window.py), up to
     # max_in_flight; false: always max_in_flight
     adaptive_window: bool = True
+    # flush: a stage steps only when the microbatches it started on the current weights are all back, so no
+    # gradient is stale however many are in flight (swarm/server/step_gate.py); async: it steps every
+    # microbatches_per_step gradients, whenever their forwards ran (stale ones; see delay_scaled_lr)
+    pipelining: str = "flush"
     # a stage whose gradients come back late steps with a smaller learning rate (swarm/server/staleness.py)
     delay_scaled_lr: bool = True
     # of activations and gradients between stages: 8-bit is 4x fewer bytes than float32 at no measured loss, and

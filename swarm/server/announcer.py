@@ -67,6 +67,8 @@ def announcement(facts: PeerFacts, stats: StageStats, coordinate: Coordinate | N
         activation_bytes_received=stats.activation_bytes_received,
         averaging_bytes_sent=stats.averaging_bytes_sent,
         averaging_bytes_received=stats.averaging_bytes_received,
+        staleness_mean=round(stats.staleness_mean, 3),
+        staleness_max=stats.staleness_max,
         reachable=facts.reachable,
         maddrs=facts.maddrs,
         coordinate=coordinate,

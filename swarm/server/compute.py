@@ -13,7 +13,7 @@ an object of its own: the worker writes them, anyone may read them (a read may b
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -48,6 +48,7 @@ from swarm.wire.validation import check_grad, check_inputs
 ACTIVATION_CACHE_BYTES = 1 << 30
 MAX_LEDGER = 200_000  # forwarded microbatch ids remembered (about 100 bytes each)
 REPLY_CACHE_BYTES = 1 << 26  # replies of applied forwarded microbatches kept to answer a repeat (see replay)
+STALENESS_WINDOW = 256  # gradients over which the staleness figures are taken
 T = TypeVar("T")
 
 
@@ -58,6 +59,10 @@ class ComputeCounters:
     samples_served: int = 0
     optimizer_steps: int = 0
     recomputed_forwards: int = 0  # backward passes that had to recompute forward (no usable activations)
+    # versions of the weights (optimizer steps, averaging rounds, loaded states) between a microbatch's forward and
+    # the weights its gradient was applied to, over the last STALENESS_WINDOW gradients: 0 under a step gate
+    staleness_mean: float = 0.0
+    staleness_max: int = 0
     averaging_round: int = 0  # number of the stage's next round; travels with the state (see server/rounds.py)
 
 
@@ -68,6 +73,7 @@ class _CachedForward:
     weights: list[torch.Tensor]  # the weights forward ran with (stashed), so backward uses the same ones
     created: float
     steps: int  # optimizer steps taken when forward ran (to measure the delay of its gradient)
+    version: int  # the weights' version forward ran with (to measure the gradient's staleness)
 
 
 class StageCompute:
@@ -101,6 +107,8 @@ class StageCompute:
         self._ledger: OrderedDict[str, float] = OrderedDict()  # forwarded microbatches taken: id -> when it expires
         self._replies: OrderedDict[str, list[torch.Tensor]] = OrderedDict()  # applied ones: id -> their reply
         self._reply_bytes = 0
+        self._staleness: deque[int] = deque(maxlen=STALENESS_WINDOW)
+        self._forward_version = 0  # the version of the weights the gradient being computed comes from
 
     # ---------------------------------------------------------------------- forwarded microbatches
 
@@ -181,6 +189,7 @@ class StageCompute:
         if not self.first:
             x.requires_grad_(True)
         if self.last:  # the last stage runs backward at once and returns the gradient of its inputs
+            self._forward_version = self.weights_version
             loss = self.model.forward_loss(x, targets, tokens)
             grads = self._gradients(loss, x, None, self.params)
             self.counters.samples_served += inputs.shape[0]
@@ -217,6 +226,7 @@ class StageCompute:
             del self._cache[key]
             x, out, weights = cached.inputs, cached.outputs, cached.weights
             self.staleness.observed_delay(self.counters.optimizer_steps - cached.steps)
+            self._forward_version = cached.version
         else:
             # No activations here (evicted, or this peer did not run the microbatch's forward, e.g. because that
             # peer failed): recompute forward with the current weights from the inputs sent along.
@@ -232,6 +242,7 @@ class StageCompute:
             batch, length = inputs.shape[:2]
             check_grad(grad, (batch, length, boundary_width(self.manifest)))
             self.counters.recomputed_forwards += 1
+            self._forward_version = self.weights_version
             x = inputs.to(self.device)
             if not self.first:
                 x.requires_grad_(True)
@@ -290,10 +301,16 @@ class StageCompute:
                 param.grad = g * share
             else:
                 param.grad.add_(g, alpha=share)
+        self._observe_staleness(self.weights_version - self._forward_version)
         self.backward_passes += 1
         if self.backward_passes >= self.manifest.training.microbatches_per_step:
             self.optimizer_step()
         return None if self.first else grads[-1].float()
+
+    def _observe_staleness(self, versions: int) -> None:
+        self._staleness.append(versions)
+        self.counters.staleness_mean = sum(self._staleness) / len(self._staleness)
+        self.counters.staleness_max = max(self._staleness)
 
     def optimizer_step(self) -> None:
         try:
@@ -311,10 +328,17 @@ class StageCompute:
         self, caller: str, microbatch_id: str, x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor]
     ) -> None:
         key = (caller, microbatch_id)
-        self._cache[key] = _CachedForward(x, out, weights, time.monotonic(), self.counters.optimizer_steps)
+        self._cache[key] = _CachedForward(
+            x, out, weights, time.monotonic(), self.counters.optimizer_steps, self.weights_version
+        )
         self._cache.move_to_end(key)
         while len(self._cache) > self._max_cached:
             self._cache.popitem(last=False)
+
+    def forget_forwards(self, keys: list[tuple[str, str]]) -> None:
+        """Drop the cached forwards of these (caller, microbatch id)s: their step gate slots were given up."""
+        for key in keys:
+            self._cache.pop(key, None)
 
     def _forget_stale_forwards(self) -> None:
         """Drop activations whose microbatch deadline has passed: their trainer has given up on them."""

@@ -150,37 +150,64 @@ class Forwarder:
         except BadRequestError as e:
             return path.error_reply("train", caller, e)
         deadline = arrival + onward.budget
-        max_elements = self.max_elements
+        if not fields.train:
+            reply, _ = await self._hop(request, caller, fields, onward, arrival, deadline)
+            return reply
+        # a gradient will be applied here: it takes a slot of the stage's step (server/step_gate.py), waiting at
+        # most half the budget for one (then 'busy': the hop before tries another peer of this stage)
+        key = (caller, fields.microbatch_id)
+        wait_until = arrival + onward.budget / 2
+        if refusal := await path.take_gradient_slot(caller, key, deadline + grace(onward.budget), wait_until):
+            return refusal
+        applied = False
+        try:
+            reply, applied = await self._hop(request, caller, fields, onward, arrival, deadline)
+            return reply
+        finally:
+            await path.release_gradient_slot(key, applied)
+
+    async def _hop(
+        self,
+        request: runtime_pb2.ExpertRequest,
+        caller: str,
+        fields: StageRequest,
+        onward: Onward,
+        arrival: float,
+        deadline: float,
+    ) -> tuple[runtime_pb2.ExpertResponse, bool]:
+        """Forward here, the next stages, backward here: the reply, and whether a gradient was applied here."""
+        path, max_elements = self.path, self.max_elements
         forwarded = await path.run(
             "train", caller, lambda c: _forward(c, request, fields, caller, max_elements, deadline)
         )
         if isinstance(forwarded, runtime_pb2.ExpertResponse):
-            return forwarded
+            return forwarded, False
         if isinstance(forwarded, _Replayed):
             self.replayed += 1
-            return self._reply(forwarded.tensors, 0.0, arrival, [])
+            return self._reply(forwarded.tensors, 0.0, arrival, []), False
         if self.last:
-            return self._reply(forwarded.outputs, forwarded.compute_seconds, arrival, [])
+            # the last stage's forward ran its backward
+            return self._reply(forwarded.outputs, forwarded.compute_seconds, arrival, []), fields.train
         inputs, targets = forwarded.request.tensors
         try:
             outputs, hops = await self._onward(fields, onward, forwarded.outputs[0], targets, deadline)
         except (DownstreamFailedError, DuplicateMicrobatchError) as e:
             if fields.train:
                 await path.worker.run(lambda c: c.settle(fields.microbatch_id, False, caller))
-            return path.error_reply("train", caller, e)
+            return path.error_reply("train", caller, e), False
         if not fields.train:
-            return self._reply(outputs, forwarded.compute_seconds, arrival, hops)
+            return self._reply(outputs, forwarded.compute_seconds, arrival, hops), False
         loss, grad = outputs
         extras = [targets] if sends_window(self.manifest) and self.stage > 0 else []
         backward = StageRequest(fields.stage, fields.microbatch_id, True, [grad, inputs, *extras])
         # backward of a forward taken on is never refused: its slot is taken without admission's checks
         result = await path.run("train", caller, lambda c: _backward(c, backward, caller, deadline, loss))
         if isinstance(result, runtime_pb2.ExpertResponse):
-            return result
+            return result, False
         grads, seconds = result
         self.forwarded += 1
         fingerprint = gradient_fingerprint(grad)  # on every train microbatch: a hop cannot tell which is a check
-        return self._reply([loss, *grads], forwarded.compute_seconds + seconds, arrival, hops, fingerprint)
+        return self._reply([loss, *grads], forwarded.compute_seconds + seconds, arrival, hops, fingerprint), True
 
     def _reply(
         self,

@@ -8,6 +8,10 @@ sender's request slots until its work in the worker is done, even if the caller 
 cancelled call still occupies the worker until its turn has passed, and the slots say how loaded the worker
 is. An exception the work raises becomes the reply, with the code the one map of swarm/wire/codes.py gives it;
 a bad request also counts against its sender (who is banned if it keeps sending them).
+
+Work that will produce a gradient here first takes a slot of the stage's step gate (swarm/server/step_gate.py,
+when `training.pipelining` is `flush`): it may wait there for the stage's next optimizer step, holding one of its
+sender's request slots meanwhile, so a flood still meets admission's limits.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from hivemind.proto import runtime_pb2
 from swarm.dht.records import PeerState
 from swarm.server.admission import Admission
 from swarm.server.compute import StageCompute
+from swarm.server.step_gate import Key, StepGate
 from swarm.server.worker import StageWorker
 from swarm.wire.codes import ErrorCode, code_of
 from swarm.wire.messages import make_error_reply
@@ -43,9 +48,34 @@ class _Failed:
 class RequestPath:
     """Admission and the worker of one served stage, as every request of the stage uses them."""
 
-    def __init__(self, admission: Admission, worker: StageWorker, state: Callable[[], PeerState]):
+    def __init__(self, admission: Admission, worker: StageWorker, state: Callable[[], PeerState], step_slots: int = 0):
+        """`step_slots`: the step gate's slots (microbatches per step), 0 for none (the stage steps by count)."""
         self.admission, self.worker, self.state = admission, worker, state
         self.errors: collections.Counter[ErrorCode] = collections.Counter()  # error replies to work, by code
+        self.gate = StepGate(step_slots, self.forget) if step_slots > 0 else None
+
+    async def take_gradient_slot(self, caller: str, key: Key, expires: float, wait_until: float):
+        """Before work that will produce a gradient here: None once `key` holds a slot of the step gate (at once
+        without a gate), or a 'busy' reply if none came free by `wait_until` (time.monotonic())."""
+        if self.gate is None:
+            return None
+        self.admission.take_slot(caller)
+        try:
+            if await self.gate.take(key, expires, wait_until):
+                return None
+        finally:
+            self.admission.release_slot(caller)
+        return self.admission.busy("this stage's step is full and did not finish in time; try another peer")
+
+    async def release_gradient_slot(self, key: Key, applied: bool) -> None:
+        """`key`'s gradient was applied here (it counts towards the step) or will not be (its slot is free)."""
+        if self.gate is not None:
+            await self.gate.release(key, applied)
+
+    def forget(self, keys: list[Key]) -> None:
+        """Slots given up (their backward never came, or failed): drop their forwards' activations, in the worker,
+        before any later request, so that a later backward recomputes at the weights of its own step."""
+        self.worker.submit(lambda compute: compute.forget_forwards(keys))
 
     def refusal(self, caller: str) -> runtime_pb2.ExpertResponse | None:
         """A prompt reply instead of work: the caller is banned, this peer is not online, or it is too busy."""

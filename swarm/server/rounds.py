@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 
 from hivemind import DHT
@@ -34,6 +35,7 @@ from swarm.dht.records import PeerState, announcement_lifetime
 from swarm.errors import AveragingError
 from swarm.events import Event, EventKind, OnEvent, RoundOutcome, StateSource
 from swarm.manifests.manifest import Manifest
+from swarm.server.step_gate import StepGate
 from swarm.server.worker import StageWorker
 from swarm.watch.stats import Traffic
 from swarm.wire.state import stage_state_shapes
@@ -75,14 +77,23 @@ class AveragingRounds:
         counters: RoundCounters,
         announce: Callable[[], Awaitable[None]],
         on_event: OnEvent,
+        gate: StepGate | None = None,
     ):
         self.manifest, self.stage, self.peer_id = manifest, stage, peer_id
+        self.gate = gate  # the stage's step gate: a round is applied between two steps (server/step_gate.py)
         self.worker, self.averager, self.traffic, self.counters = worker, averager, traffic, counters
         self.announce, self.on_event = announce, on_event
         self._view: AnnouncementCache | None = None
         self._p2p: P2P | None = None
         self._last_seen: dict[str, float] = {}  # peer id -> DHT time this peer last saw it online in the stage
         self._progress: dict[str, ProgressSeen] = {}  # peer id -> its last announced round progress
+
+    def _between_steps(self) -> AbstractAsyncContextManager:
+        """No microbatch in flight through this stage while the round changes its weights (with a step gate)."""
+        if self.gate is None:
+            return nullcontext()
+        timeouts = self.manifest.training.timeouts
+        return self.gate.between_steps(timeouts.forward + timeouts.backward)
 
     @property
     def round(self) -> int:
@@ -259,7 +270,8 @@ class AveragingRounds:
                     outcome = RoundOutcome.SKIPPED
                     logger.warning(f"averaging round {number} of stage {self.stage} skipped: {e}")
             try:
-                await self.worker.run(lambda c: c.finish_round(averaged, alone))
+                async with self._between_steps():
+                    await self.worker.run(lambda c: c.finish_round(averaged, alone))
             except AveragingError as e:
                 averaged = False
                 counters.failed += 1

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035 (hivemind detects streams by typing.AsyncIterator only)
 
 import torch
@@ -32,7 +34,13 @@ from swarm.wire.codes import ErrorCode
 from swarm.wire.messages import combine_message, make_error_reply, make_reply, pack, split_message
 from swarm.wire.rpc import TOKENIZER_CHUNK_BYTES, StageRPC
 from swarm.wire.tensors import wire_compression
-from swarm.wire.validation import decode_metadata, decode_request, max_message_bytes, max_request_elements
+from swarm.wire.validation import (
+    decode_fields,
+    decode_metadata,
+    decode_request,
+    max_message_bytes,
+    max_request_elements,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +49,17 @@ MAX_DRAINS = 8  # refused request streams read to their end at once (so that the
 MAX_CONTROL_CALLS = 4  # state downloads served at once; each holds up to a stage's state in memory
 
 
+@dataclass
+class _Served:
+    """A forward or backward the worker did (an error reply is not one)."""
+
+    reply: runtime_pb2.ExpertResponse
+
+
 class StageService(StageRPC):
     def __init__(self, manifest: Manifest, stage: int, path: RequestPath, traffic: Traffic, forwarder: Forwarder):
         self.manifest, self.stage, self.forwarder, self.path, self.traffic = manifest, stage, forwarder, path, traffic
+        self.last = stage == manifest.num_stages - 1
         self.admission, self.worker, self.state = path.admission, path.worker, path.state
         self.max_elements = max_request_elements(manifest)
         self.max_message_bytes = max_message_bytes(manifest)
@@ -153,12 +169,47 @@ class StageService(StageRPC):
             return refusal
         max_elements = self.max_elements
 
-        def serve(compute: StageCompute) -> runtime_pb2.ExpertResponse:  # in the worker: decode, compute, encode
+        def serve(compute: StageCompute) -> _Served:  # in the worker: decode, compute, encode
             req = decode_request(request, compute.manifest, max_elements, caller)
             outputs = compute.process(kind, req, caller)
-            return make_reply(outputs, wire_compression(compute.manifest))
+            return _Served(make_reply(outputs, wire_compression(compute.manifest)))
 
-        return await self.path.run(kind, caller, serve)
+        if self.path.gate is None:
+            result = await self.path.run(kind, caller, serve)
+            return result.reply if isinstance(result, _Served) else result
+        return await self._gated(kind, request, caller, serve)
+
+    async def _gated(
+        self, kind: str, request: runtime_pb2.ExpertRequest, caller: str, serve
+    ) -> runtime_pb2.ExpertResponse:
+        """A relayed forward or backward under the stage's step gate (server/step_gate.py): a training forward of a
+        stage before the last holds its slot until its backward here; the last stage's forward, and a backward
+        that recomputes forward, take one for the request alone."""
+        try:
+            fields = decode_fields(decode_metadata(request, self.manifest, caller), self.manifest)
+        except BadRequestError as e:
+            return self.path.error_reply(kind, caller, e)
+        gate, key = self.path.gate, (caller, fields.microbatch_id)
+        assert gate is not None
+        holds = kind == "backward" and key in gate.open  # the slot its forward took
+        if fields.train and not holds:
+            timeouts, now = self.manifest.training.timeouts, time.monotonic()
+            # a relayed microbatch's backward comes after the later stages' forwards and backwards, each call
+            # within its timeout: past that, its trainer has given up on it (and the slot is given back)
+            expires = now + (timeouts.forward + timeouts.backward) * self.manifest.num_stages
+            refusal = await self.path.take_gradient_slot(caller, key, expires, now + timeouts.forward / 2)
+            if refusal is not None:
+                return refusal
+        result = await self.path.run(kind, caller, serve)
+        if not fields.train:
+            return result.reply if isinstance(result, _Served) else result
+        served = isinstance(result, _Served)
+        opened = kind == "forward" and not self.last and served  # its backward will apply the gradient
+        if not opened:
+            await self.path.release_gradient_slot(key, applied=served)
+        if holds and not served:  # its forward's activations must not serve a backward of a later step
+            self.path.forget([key])
+        return result.reply if served else result
 
     # ------------------------------------------------------------------------------------ control calls
 

@@ -87,7 +87,8 @@ class StageServer:
         self.worker = StageWorker(StageCompute(manifest, stage, model, device, simulated))
         self.admission = Admission(manifest, peer_id)
         self.state = PeerState.JOINING
-        self.requests = RequestPath(self.admission, self.worker, lambda: self.state)  # one path for all requests
+        slots = manifest.training.microbatches_per_step if manifest.training.pipelining == "flush" else 0
+        self.requests = RequestPath(self.admission, self.worker, lambda: self.state, slots)  # one path for all
         self.forwarder = Forwarder(manifest, stage, peer_id, self.requests, self.traffic)
         self.service = StageService(manifest, stage, self.requests, self.traffic, self.forwarder)
         facts = PeerFacts(
@@ -130,6 +131,7 @@ class StageServer:
                 self.round_counters,
                 self.announcer.announce,
                 self.on_event,
+                self.requests.gate,
             )
         await self.announcer.announce()
         self._tasks.append(asyncio.create_task(self.announcer.run()))
@@ -214,6 +216,7 @@ class StageServer:
 
     def stats(self) -> StageStats:
         counters, admission, traffic, rounds = self.worker.counters, self.admission, self.traffic, self.round_counters
+        gate = self.requests.gate
         return StageStats(
             stage=self.stage,
             state=self.state,
@@ -246,6 +249,11 @@ class StageServer:
             averaging_bytes_received=traffic.averaging_received,
             averaging_strikes=self.rounds.averager.strikes if self.rounds is not None else 0,
             averaging_exclusions=self.rounds.averager.exclusions if self.rounds is not None else 0,
+            staleness_mean=counters.staleness_mean,
+            staleness_max=counters.staleness_max,
+            gate_waiting=gate.waiting if gate is not None else 0,
+            gate_waited=gate.waited if gate is not None else 0,
+            gate_expired=gate.expired if gate is not None else 0,
         )
 
     # ---------------------------------------------------------------------------------------- checkpoints

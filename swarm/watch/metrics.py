@@ -214,6 +214,28 @@ class PeerCollector(Collector):
                 stage=stage,
             )
             f.gauge(
+                "swarm_stage_staleness_versions",
+                "Weight versions between a microbatch's forward here and the weights its gradient was applied to "
+                "(recent mean and maximum; 0 under the step gate)",
+                stats.staleness_mean,
+                stage=stage,
+                stat="mean",
+            )
+            f.gauge(
+                "swarm_stage_staleness_versions",
+                "Weight versions between a microbatch's forward here and the weights its gradient was applied to "
+                "(recent mean and maximum; 0 under the step gate)",
+                stats.staleness_max,
+                stage=stage,
+                stat="max",
+            )
+            f.gauge(
+                "swarm_stage_step_gate_waiting",
+                "Microbatches waiting now for this stage's next optimizer step (training.pipelining flush)",
+                stats.gate_waiting,
+                stage=stage,
+            )
+            f.gauge(
                 "swarm_stage_outstanding_requests",
                 "Forward and backward requests queued or running on this peer",
                 stats.outstanding,  # what the peer announces as `outstanding`

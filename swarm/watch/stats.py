@@ -57,6 +57,11 @@ class StageStats:
     replayed: int = 0  # repeats of microbatches applied here already, answered with their first reply
     averaging_strikes: int = 0  # flags this peer gave partners whose round values were far off
     averaging_exclusions: int = 0  # partners it excluded from its rounds for that
+    staleness_mean: float = 0.0  # weight versions between a forward here and its gradient's step (recent mean)
+    staleness_max: int = 0  # ... and their recent maximum
+    gate_waiting: int = 0  # microbatches waiting now for this stage's next step (server/step_gate.py)
+    gate_waited: int = 0  # ... in all
+    gate_expired: int = 0  # slots given up because their backward did not come
 
     def to_dict(self) -> dict[str, Any]:
         """As the status line prints it."""

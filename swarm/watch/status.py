@@ -163,6 +163,9 @@ def swarm_health(
                 "delivered_throughput": round(sum(p["delivered_throughput"] for p in online), 2),
                 "samples_served": sum(p["samples_served"] for p in online),
                 "averaging_rounds": max((p["averaging_round"] for p in online), default=0),
+                # weight versions between a forward and its gradient's step, the worst of the stage's peers
+                "staleness_max": max((p["staleness_max"] for p in online), default=0),
+                "staleness_mean": round(max((p["staleness_mean"] for p in online), default=0.0), 3),
             }
         )
     unserved = [row["stage"] for row in stage_rows if row["online_peers"] == 0]

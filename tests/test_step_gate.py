@@ -1,0 +1,110 @@
+"""The step gate (swarm/server/step_gate.py): a stage hands out `slots` gradient slots per optimizer step and a new
+step's slots only once the last step's gradients are all applied, so no gradient is ever applied to weights
+newer than the ones its forward ran with."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from swarm.server.step_gate import StepGate
+
+
+def far() -> float:
+    return time.monotonic() + 60
+
+
+async def take_later(gate: StepGate, key: str, wait: float = 5.0) -> bool:
+    return await gate.take(("trainer", key), far(), time.monotonic() + wait)
+
+
+def test_a_full_step_holds_new_microbatches_until_its_gradients_are_applied():
+    async def scenario() -> None:
+        gate = StepGate(slots=3)
+        for key in "abc":
+            assert await take_later(gate, key)
+        waiter = asyncio.create_task(take_later(gate, "d"))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and gate.waiting == 1  # the step is full: d waits
+        await gate.release(("trainer", "a"), applied=True)
+        await gate.release(("trainer", "b"), applied=True)
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and gate.version == 0  # c is still out: stepping now would make it stale
+        await gate.release(("trainer", "c"), applied=True)
+        assert await asyncio.wait_for(waiter, 1) is True
+        assert gate.version == 1 and gate.open.keys() == {("trainer", "d")} and gate.waited == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_microbatch_frees_its_slot_without_counting_towards_the_step():
+    async def scenario() -> None:
+        gate = StepGate(slots=2)
+        assert await take_later(gate, "a") and await take_later(gate, "b")
+        waiter = asyncio.create_task(take_later(gate, "c"))
+        await asyncio.sleep(0.05)
+        await gate.release(("trainer", "a"), applied=False)  # e.g. the next stage failed
+        assert await asyncio.wait_for(waiter, 1) is True
+        assert gate.version == 0 and gate.applied == 0  # a step is always `slots` applied gradients
+        await gate.release(("trainer", "b"), applied=True)
+        await gate.release(("trainer", "c"), applied=True)
+        assert gate.version == 1 and gate.taken == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_wait_ends_at_its_limit_and_a_key_holds_one_slot():
+    async def scenario() -> None:
+        gate = StepGate(slots=1)
+        assert await take_later(gate, "a")
+        assert await take_later(gate, "a")  # a repeat of the same microbatch: the same slot
+        begin = time.monotonic()
+        assert await take_later(gate, "b", wait=0.2) is False
+        assert 0.15 < time.monotonic() - begin < 2 and gate.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_slot_whose_backward_never_comes_is_given_up_at_its_expiry():
+    async def scenario() -> None:
+        given_up: list = []
+        gate = StepGate(slots=1, on_expire=given_up.extend)
+        assert await gate.take(("dead", "a"), time.monotonic() + 0.2, time.monotonic() + 1)
+        assert await take_later(gate, "b")  # waits until a's slot expires, then takes it
+        assert given_up == [("dead", "a")] and gate.expired == 1
+        await gate.release(("dead", "a"), applied=True)  # too late: ignored, nothing counts twice
+        assert gate.applied == 0 and gate.open.keys() == {("trainer", "b")}
+
+    asyncio.run(scenario())
+
+
+def test_between_steps_waits_for_the_microbatches_in_flight_and_hands_out_no_slot_meanwhile():
+    async def scenario() -> None:
+        gate = StepGate(slots=4)
+        assert await take_later(gate, "a")
+        inside: list[bool] = []
+
+        async def round_() -> None:
+            async with gate.between_steps(timeout=5) as drained:
+                inside.append(drained)
+                await asyncio.sleep(0.1)
+                inside.append(gate.can_take())
+
+        averaging = asyncio.create_task(round_())
+        await asyncio.sleep(0.05)
+        newcomer = asyncio.create_task(take_later(gate, "b"))
+        await asyncio.sleep(0.05)
+        assert not inside and not newcomer.done()  # a is in flight: the round waits, and b with it
+        await gate.release(("trainer", "a"), applied=True)
+        await asyncio.wait_for(averaging, 2)
+        assert inside == [True, False]  # applied between two microbatches, no slot handed out meanwhile
+        assert await asyncio.wait_for(newcomer, 1) is True
+
+    asyncio.run(scenario())
+
+
+def test_a_gate_needs_a_slot():
+    with pytest.raises(ValueError):
+        StepGate(slots=0)
