@@ -1,23 +1,36 @@
-"""Stale-gradient benchmark: two stages in one process, N microbatches in flight, with and without the delay-scaled
-learning rate (swarm/server/staleness.py).
+"""Stale gradients: what keeping many microbatches in flight through each stage costs in held-out loss, with the
+stages' own step gate (training.pipelining flush) and without it (async: steps by count, stale gradients with a
+delay-scaled learning rate).
 
-    python benchmarks/staleness.py [--samples 3072] [--windows 1,2,4,8] [--manifest examples/demo.json]
-                                   [--activation-compression float32|float16|8bit] [--lr both|full|scaled]
+    python benchmarks/staleness.py --quick          # about 7 minutes here: 2,048 and 6,144 samples, seed 0
+    python benchmarks/staleness.py [--horizons 8192,32768] [--seeds 0,1] [--in-flight 8] [--modes flush,async]
+                                   [--activation-compression 8bit] [--subspace-rank 0] [--width 256] [--stages 4]
 
-Stage 0 runs forward for a microbatch, and its backward only once `window` microbatches are in flight, as in a
-pipeline whose round trip spans `window` microbatches; the last stage runs forward and backward at once. No network,
-so the figure is the optimisation's alone: the held-out loss at the end (64 fixed held-out microbatches), the mean
-train loss of the last 20 microbatches, and stage 0's measured delay in optimizer steps. Activations and gradients
-pass through the wire encoding (swarm/wire/tensors.py) between the stages, as they would between peers, in the
-manifest's activation_compression or --activation-compression. Prints one JSON line.
+A Llama (width 256, 4 stages of one block each, byte tokens of the stdlib corpus, context 64, microbatches of 16,
+a step every 8 microbatches at every stage, AdamW at a constant 0.001 so that one run gives every horizon) is
+trained in one process by the swarm's own stage code: one StageCompute per stage (swarm/server/compute.py: the
+weight stash, the activation cache, the accumulation and the step by count), and, under flush, one StepGate per
+stage (swarm/server/step_gate.py), the same objects a peer uses. A trainer keeps `--in-flight` microbatches in
+flight, each an asyncio task that goes forward through the stages and back; between two hops it yields a seeded
+random number of times, so that hops of different microbatches interleave as over real links (a deterministic
+run). Every boundary goes through the wire codec both ways (swarm/wire/tensors.py), as between peers.
+
+Figures: per mode and in-flight count, the held-out loss at each horizon (32 fixed batches of 16 windows), its
+ratio to the same stages with 1 in flight (loss_ratio; the worst over horizons and the mean over seeds), the
+largest number of microbatches between their forward and their backward at each stage (in_flight), and the
+staleness each stage measured (weight versions between a forward and its gradient's step: mean and maximum).
+Prints one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import asyncio
 import json
+import math
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,79 +40,211 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.architectures.model import build_stage  # noqa: E402
 from swarm.dataset.shards import TextData, heldout_batches, sample_batch  # noqa: E402
+from swarm.manifests.manifest import Manifest  # noqa: E402
+from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
 from swarm.manifests.validation import manifest_from_dict  # noqa: E402
 from swarm.server.compute import StageCompute  # noqa: E402
-from swarm.wire import messages, tensors  # noqa: E402
+from swarm.server.step_gate import StepGate  # noqa: E402
+from swarm.wire.boundary import sends_window, token_tensor  # noqa: E402
+from swarm.wire.messages import StageRequest  # noqa: E402
+from swarm.wire.tensors import decode_tensor, encode_tensor  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+CONTEXT, MICROBATCH, STEP = 64, 16, 8
+HELDOUT_BATCHES, HELDOUT_SIZE = 32, MICROBATCH  # a stage takes at most microbatch_size windows
+MAX_YIELDS = 4  # a hop takes 1..MAX_YIELDS turns of the event loop: microbatches overtake each other
+
+
+@dataclass
+class Run:
+    mode: str
+    in_flight: int
+    seed: int
+    heldout: dict[int, float] = field(default_factory=dict)
+    most_in_flight: list[int] = field(default_factory=list)  # per stage
+    staleness_mean: list[float] = field(default_factory=list)
+    staleness_max: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def stage_manifest(args: argparse.Namespace, mode: str, seed: int) -> Manifest:
+    width = args.width
+    raw = fast_test_swarm_dict(
+        name="staleness",
+        model={
+            "architecture": "llama",
+            "vocab_size": 256,
+            "width": width,
+            "depth": args.stages,
+            "heads": max(width // 64, 1),
+            "intermediate_size": 256 * math.ceil(8 * width / 3 / 256),
+            "context_length": CONTEXT,
+            "seed": seed,
+            "subspace_rank": args.subspace_rank,
+        },
+        stages={"count": args.stages},
+        training={
+            "microbatch_size": MICROBATCH,
+            "microbatches_per_step": STEP,
+            "learning_rate": args.lr,
+            "activation_compression": args.activation_compression,
+            "pipelining": mode,
+            "max_in_flight": max(args.in_flight, 1),
+        },
+    )
+    return manifest_from_dict(raw)
 
 
 def wire(tensor: torch.Tensor, compression: str) -> torch.Tensor:
     """The tensor as the receiving peer sees it."""
-    return tensors.decode_tensor(tensors.encode_tensor(tensor, compression), tensor.numel(), "wire")
+    return decode_tensor(encode_tensor(tensor.contiguous(), compression), tensor.numel(), "wire")
 
 
-def heldout(first: StageCompute, last: StageCompute, batches: list) -> float:
-    """Mean loss of the two stages' current weights on held-out batches (forward only)."""
+def tokens_for(manifest: Manifest, stage: int, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """The token tensor a stage's forward takes besides its inputs (as swarm/server/compute.py expects)."""
+    last = stage == manifest.num_stages - 1
+    if stage > 0 and (last or sends_window(manifest)):
+        return [token_tensor(manifest, x, y)]
+    return []
+
+
+def heldout_loss(stages: list[StageCompute], manifest: Manifest, batches: list) -> float:
     losses = []
     for index, (x, y) in enumerate(batches):
-        (hidden,) = first.process("forward", messages.StageRequest(0, f"h{index}", False, [x]), "eval")
-        (loss,) = last.process("forward", messages.StageRequest(1, f"h{index}", False, [hidden, y]), "eval")
-        losses.append(float(loss))
+        hidden = x
+        for s, compute in enumerate(stages):
+            request = StageRequest(s, f"h{index}", False, [hidden, *tokens_for(manifest, s, x, y)])
+            (hidden,) = compute.process("forward", request, "eval")
+        losses.append(float(hidden))
     return float(np.mean(losses))
 
 
-def run(raw: dict, window: int, scaled: bool, samples: int, compression: str) -> tuple[float, float, float]:
-    training = {**raw["training"], "delay_scaled_lr": scaled, "activation_compression": compression}
-    raw = {**raw, "training": training, "stages": {"count": 2}}
-    manifest = manifest_from_dict(raw)
-    torch.manual_seed(0)
-    first = StageCompute(manifest, 0, build_stage(manifest, 0), torch.device("cpu"))
-    last = StageCompute(manifest, 1, build_stage(manifest, 1), torch.device("cpu"))
-    data = TextData.load(manifest.data.source, manifest.data.heldout_fraction, shard=0, shards=manifest.data.shards)
-    rng = np.random.default_rng(0)
-    in_flight: collections.deque = collections.deque()
-    losses: list[float] = []
-    done = count = 0
-    while done < samples:
-        x, y = sample_batch(data.train, manifest.training.microbatch_size, manifest.model.context_length, rng)
-        microbatch, count = f"m{count}", count + 1
-        (hidden,) = first.process("forward", messages.StageRequest(0, microbatch, True, [x]), "trainer")
-        in_flight.append((microbatch, x, y, wire(hidden, compression)))
-        if len(in_flight) >= window:
-            microbatch, x, y, hidden = in_flight.popleft()
-            loss, grad = last.process("forward", messages.StageRequest(1, microbatch, True, [hidden, y]), "trainer")
-            grad = wire(grad, compression)
-            first.process("backward", messages.StageRequest(0, microbatch, True, [grad, x]), "trainer")
-            losses.append(float(loss))
-            done += x.shape[0]
-    batches = heldout_batches(data.heldout, 64, manifest.training.microbatch_size, manifest.model.context_length)
-    return heldout(first, last, batches), float(np.mean(losses[-20:])), first.staleness.delay
+async def train(args: argparse.Namespace, mode: str, in_flight: int, seed: int, data: TextData, held: list) -> Run:
+    manifest = stage_manifest(args, mode, seed)
+    count, compression = manifest.num_stages, manifest.training.activation_compression
+    torch.manual_seed(seed)
+    stages = [StageCompute(manifest, s, build_stage(manifest, s), torch.device("cpu")) for s in range(count)]
+    gates = [StepGate(STEP, stage.forget_forwards) for stage in stages] if mode == "flush" else None
+    run = Run(mode, in_flight, seed, most_in_flight=[0] * count)
+    between = [0] * count  # microbatches between their forward and their backward at each stage now
+    data_rng, hop_rng = np.random.default_rng(seed), np.random.default_rng(seed + 1000)
+    horizons = sorted(args.horizons)
+    trained, started, begin = 0, 0, time.perf_counter()
+    total = horizons[-1] // MICROBATCH
+    slots = asyncio.Semaphore(in_flight)
+    far = time.monotonic() + 1e9
+
+    async def hop() -> None:
+        for _ in range(int(hop_rng.integers(1, MAX_YIELDS + 1))):
+            await asyncio.sleep(0)
+
+    async def microbatch(number: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        nonlocal trained
+        key, hidden, grad = ("trainer", f"m{number}"), x, None
+        for s in range(count):
+            await hop()
+            if gates is not None:
+                await gates[s].take(key, far, far)
+            request = StageRequest(s, key[1], True, [hidden, *tokens_for(manifest, s, x, y)])
+            outputs = stages[s].process("forward", request, key[0])
+            if s < count - 1:
+                between[s] += 1
+                run.most_in_flight[s] = max(run.most_in_flight[s], between[s])
+                hidden = wire(outputs[0], compression)
+            else:
+                grad = wire(outputs[1], compression)
+                if gates is not None:
+                    await gates[s].release(key, applied=True)
+        for s in reversed(range(count - 1)):
+            await hop()
+            outputs = stages[s].process("backward", StageRequest(s, key[1], True, [grad]), key[0])
+            between[s] -= 1
+            if gates is not None:
+                await gates[s].release(key, applied=True)
+            grad = wire(outputs[0], compression) if s > 0 else None
+        trained += x.shape[0]
+        for horizon in horizons:  # the held-out loss as the run passes each horizon (the weights of that moment)
+            if trained - x.shape[0] < horizon <= trained:
+                run.heldout[horizon] = heldout_loss(stages, manifest, held)
+
+    async def one(number: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        try:
+            await microbatch(number, x, y)
+        finally:
+            slots.release()
+
+    tasks = []
+    while started < total:
+        await slots.acquire()
+        x, y = sample_batch(data.train, MICROBATCH, CONTEXT, data_rng)
+        tasks.append(asyncio.create_task(one(started, x, y)))
+        started += 1
+    await asyncio.gather(*tasks)
+    run.staleness_mean = [round(s.counters.staleness_mean, 3) for s in stages]
+    run.staleness_max = [s.counters.staleness_max for s in stages]
+    run.seconds = time.perf_counter() - begin
+    return run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=3072)
-    parser.add_argument("--windows", default="1,2,4,8")
-    parser.add_argument("--manifest", default=str(ROOT / "examples" / "demo.json"))
-    parser.add_argument("--activation-compression", choices=list(tensors.COMPRESSIONS), help="default: the manifest's")
-    parser.add_argument("--lr", choices=["both", "full", "scaled"], default="both", help="learning rate(s) to run")
+    parser.add_argument("--quick", action="store_true", help="horizons 2048,6144, seed 0")
+    parser.add_argument("--horizons", default="8192,32768", help="samples at which the held-out loss is taken")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--in-flight", type=int, default=8, help="microbatches the trainer keeps in flight")
+    parser.add_argument("--modes", default="flush,async", help="training.pipelining values to run")
+    parser.add_argument("--activation-compression", default="8bit")
+    parser.add_argument("--subspace-rank", type=int, default=0, help="model.subspace_rank (0: none)")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--stages", type=int, default=4, help="stages of one block each")
+    parser.add_argument("--lr", type=float, default=0.001)
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    raw = json.loads(Path(args.manifest).read_text())
-    raw["initial_peers"] = []
-    if args.activation_compression is None:
-        args.activation_compression = manifest_from_dict(raw).training.activation_compression
-    result: dict[str, float | str] = {"samples": args.samples, "activation_compression": args.activation_compression}
-    lrs = {"both": (False, True), "full": (False,), "scaled": (True,)}[args.lr]
-    for window in [int(w) for w in args.windows.split(",")]:
-        for scaled in lrs:
-            held, loss, delay = run(raw, window, scaled, args.samples, args.activation_compression)
-            key = f"window_{window}_{'scaled' if scaled else 'full'}_lr"
-            result[f"{key}_heldout"] = round(held, 3)
-            result[f"{key}_loss"] = round(loss, 3)
-            result[f"{key}_delay"] = round(delay, 2)
-    print(json.dumps(result))
+    if args.quick:
+        args.horizons, args.seeds = "2048,6144", "0"
+    args.horizons = sorted(int(h) for h in args.horizons.split(","))
+    seeds = [int(s) for s in args.seeds.split(",")]
+    modes = args.modes.split(",")
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    data = TextData.load("stdlib", 0.05)
+    held = heldout_batches(data.heldout, HELDOUT_BATCHES, HELDOUT_SIZE, CONTEXT)
+    # 1 in flight is the reference: no stage ever steps between a forward and its backward, whatever the mode
+    reference = [asyncio.run(train(args, modes[0], 1, seed, data, held)) for seed in seeds]
+    runs = {
+        mode: [asyncio.run(train(args, mode, args.in_flight, seed, data, held)) for seed in seeds] for mode in modes
+    }
+    horizons = args.horizons
+    base = {h: float(np.mean([r.heldout[h] for r in reference])) for h in horizons}
+    results = {}
+    for mode, done in runs.items():
+        ratios = {h: round(float(np.mean([r.heldout[h] for r in done])) / base[h], 4) for h in horizons}
+        results[mode] = {
+            "heldout_loss": {str(h): [round(r.heldout[h], 4) for r in done] for h in horizons},
+            "loss_ratio": {str(h): ratios[h] for h in horizons},
+            "worst_loss_ratio": max(ratios.values()),
+            "in_flight": [max(r.most_in_flight[s] for r in done) for s in range(args.stages - 1)],
+            "staleness_mean": done[0].staleness_mean,
+            "staleness_max": [max(r.staleness_max[s] for r in done) for s in range(args.stages)],
+            "seconds_per_run": round(float(np.mean([r.seconds for r in done])), 1),
+        }
+    headline = results[modes[0]]
+    print(
+        json.dumps(
+            {
+                "benchmark": "staleness",
+                "model": {"architecture": "llama", "width": args.width, "stages": args.stages, "context": CONTEXT},
+                "microbatches_per_step": STEP,
+                "activation_compression": args.activation_compression,
+                "subspace_rank": args.subspace_rank,
+                "horizons": horizons,
+                "seeds": seeds,
+                "mode": modes[0],
+                "in_flight": headline["in_flight"],
+                "loss_ratio": headline["worst_loss_ratio"],
+                "one_in_flight_heldout_loss": {str(h): [round(r.heldout[h], 4) for r in reference] for h in horizons},
+                "modes": results,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
