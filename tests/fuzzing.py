@@ -19,7 +19,10 @@ CASES: collections.Counter[str] = collections.Counter()  # cases tried, by kind;
 LOST: collections.Counter[str] = collections.Counter()  # replies that did not come the first time
 
 FORWARD_TIMEOUT = 3.0  # the fuzzed swarm's: how long a peer waits for a request stream to finish
-RAW_MANIFEST = tiny_manifest_dict(training={"timeouts": {"forward": FORWARD_TIMEOUT, "backward": 5, "microbatch": 60}})
+# two gradient slots per step: test_abuse leaves two training forwards cached on stage 0 (the step gate)
+RAW_MANIFEST = tiny_manifest_dict(
+    training={"microbatches_per_step": 2, "timeouts": {"forward": FORWARD_TIMEOUT, "backward": 5, "microbatch": 60}}
+)
 MANIFEST = manifest_from_dict(RAW_MANIFEST)
 FIRST, LAST = 0, 1
 

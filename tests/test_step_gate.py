@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from swarm.server.step_gate import StepGate
+from swarm.server.step_gate import MIN_STRAGGLER_S, StepGate
 
 
 def far() -> float:
@@ -108,3 +108,43 @@ def test_between_steps_waits_for_the_microbatches_in_flight_and_hands_out_no_slo
 def test_a_gate_needs_a_slot():
     with pytest.raises(ValueError):
         StepGate(slots=0)
+
+
+def test_a_straggler_gives_its_slot_to_a_waiting_microbatch_but_a_pinned_slot_is_kept():
+    """A microbatch stuck behind a stalled later peer must not hold the step until its timeout while others wait;
+    but once its gradient is being applied (pinned) its slot is never given up, or the worker (which steps by
+    count) and the gate would disagree on the step."""
+
+    async def scenario() -> None:
+        given_up: list = []
+        gate = StepGate(slots=3, on_expire=given_up.extend)
+        assert await take_later(gate, "quick")
+        await asyncio.sleep(0.05)
+        await gate.release(("trainer", "quick"), applied=True)  # a typical hold: 50 ms
+        assert gate.typical_hold is not None and gate.typical_hold < 0.5
+        assert await take_later(gate, "stuck") and await take_later(gate, "applying")
+        assert gate.pin(("trainer", "applying"))
+        await asyncio.sleep(MIN_STRAGGLER_S + 0.1)  # nobody waits yet: both keep their slots
+        assert gate.open.keys() == {("trainer", "stuck"), ("trainer", "applying")}
+        begin = time.monotonic()
+        assert await take_later(gate, "next", wait=5)  # takes the straggler's slot at once
+        assert time.monotonic() - begin < 0.5
+        assert given_up == [("trainer", "stuck")] and gate.stragglers == gate.expired == 1
+        assert not gate.pin(("trainer", "stuck"))  # its late gradient must not be applied
+        await gate.release(("trainer", "applying"), applied=True)
+        await gate.release(("trainer", "next"), applied=True)
+        assert gate.version == 1 and gate.taken == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_pinned_slot_outlives_its_expiry():
+    async def scenario() -> None:
+        gate = StepGate(slots=1)
+        assert await gate.take(("trainer", "a"), time.monotonic() + 0.1, time.monotonic() + 1, pinned=True)
+        assert await take_later(gate, "b", wait=0.4) is False  # a's gradient is being applied: b must wait
+        assert gate.expired == 0
+        await gate.release(("trainer", "a"), applied=True)
+        assert gate.version == 1 and await take_later(gate, "b")
+
+    asyncio.run(scenario())

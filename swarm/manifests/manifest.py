@@ -258,7 +258,7 @@ class Manifest:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
 
-# settings added by issue 16: written out only when they differ from their defaults
+# settings added since issue 16: written out only when they differ from their defaults
 LATER_FIELDS = {
     ModelConfig: (
         "architecture",
@@ -269,7 +269,7 @@ LATER_FIELDS = {
         "subspace_rank",
         "norm_eps",
     ),
-    TrainingConfig: ("precision", "activation_checkpointing"),
+    TrainingConfig: ("precision", "activation_checkpointing", "pipelining"),
     DataConfig: ("index_sha256", "tokenizer", "tokenizer_sha256"),
 }
 

@@ -157,7 +157,8 @@ class Forwarder:
         # most half the budget for one (then 'busy': the hop before tries another peer of this stage)
         key = (caller, fields.microbatch_id)
         wait_until = arrival + onward.budget / 2
-        if refusal := await path.take_gradient_slot(caller, key, deadline + grace(onward.budget), wait_until):
+        expires = deadline + grace(onward.budget)
+        if refusal := await path.take_gradient_slot(caller, key, expires, wait_until, pinned=self.last):
             return refusal
         applied = False
         try:
@@ -198,6 +199,11 @@ class Forwarder:
         if not fields.train:
             return self._reply(outputs, forwarded.compute_seconds, arrival, hops), False
         loss, grad = outputs
+        if not path.pin_gradient_slot((caller, fields.microbatch_id)):
+            # the later stages took so long that the step went on without this microbatch (server/step_gate.py)
+            await path.worker.run(lambda c: c.settle(fields.microbatch_id, False, caller))
+            late = DownstreamFailedError(f"stage {self.stage}: the next stages answered too late for this step")
+            return path.error_reply("train", caller, late), False
         extras = [targets] if sends_window(self.manifest) and self.stage > 0 else []
         backward = StageRequest(fields.stage, fields.microbatch_id, True, [grad, inputs, *extras])
         # backward of a forward taken on is never refused: its slot is taken without admission's checks

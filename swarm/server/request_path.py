@@ -54,18 +54,23 @@ class RequestPath:
         self.errors: collections.Counter[ErrorCode] = collections.Counter()  # error replies to work, by code
         self.gate = StepGate(step_slots, self.forget) if step_slots > 0 else None
 
-    async def take_gradient_slot(self, caller: str, key: Key, expires: float, wait_until: float):
+    async def take_gradient_slot(self, caller: str, key: Key, expires: float, wait_until: float, pinned: bool = False):
         """Before work that will produce a gradient here: None once `key` holds a slot of the step gate (at once
-        without a gate), or a 'busy' reply if none came free by `wait_until` (time.monotonic())."""
+        without a gate), or a 'busy' reply if none came free by `wait_until` (time.monotonic()). `pinned`: the
+        gradient is applied by the work that starts now (StepGate.pin)."""
         if self.gate is None:
             return None
         self.admission.take_slot(caller)
         try:
-            if await self.gate.take(key, expires, wait_until):
+            if await self.gate.take(key, expires, wait_until, pinned):
                 return None
         finally:
             self.admission.release_slot(caller)
         return self.admission.busy("this stage's step is full and did not finish in time; try another peer")
+
+    def pin_gradient_slot(self, key: Key) -> bool:
+        """Before the work that applies `key`'s gradient: whether it may (False: its slot was given up)."""
+        return self.gate is None or self.gate.pin(key)
 
     async def release_gradient_slot(self, key: Key, applied: bool) -> None:
         """`key`'s gradient was applied here (it counts towards the step) or will not be (its slot is free)."""

@@ -191,24 +191,28 @@ class StageService(StageRPC):
             return self.path.error_reply(kind, caller, e)
         gate, key = self.path.gate, (caller, fields.microbatch_id)
         assert gate is not None
-        holds = kind == "backward" and key in gate.open  # the slot its forward took
+        holds = kind == "backward" and gate.pin(key)  # the slot its forward took: applied by this backward
+        opens = kind == "forward" and not self.last  # a forward whose backward here will apply the gradient
         if fields.train and not holds:
             timeouts, now = self.manifest.training.timeouts, time.monotonic()
             # a relayed microbatch's backward comes after the later stages' forwards and backwards, each call
             # within its timeout: past that, its trainer has given up on it (and the slot is given back)
             expires = now + (timeouts.forward + timeouts.backward) * self.manifest.num_stages
-            refusal = await self.path.take_gradient_slot(caller, key, expires, now + timeouts.forward / 2)
-            if refusal is not None:
+            wait_until = now + timeouts.forward / 2
+            if refusal := await self.path.take_gradient_slot(caller, key, expires, wait_until, pinned=not opens):
                 return refusal
-        result = await self.path.run(kind, caller, serve)
         if not fields.train:
+            result = await self.path.run(kind, caller, serve)
             return result.reply if isinstance(result, _Served) else result
-        served = isinstance(result, _Served)
-        opened = kind == "forward" and not self.last and served  # its backward will apply the gradient
-        if not opened:
-            await self.path.release_gradient_slot(key, applied=served)
-        if holds and not served:  # its forward's activations must not serve a backward of a later step
-            self.path.forget([key])
+        served = False
+        try:
+            result = await self.path.run(kind, caller, serve)
+            served = isinstance(result, _Served)
+        finally:
+            if not (opens and served):  # an open forward's slot waits for its backward
+                await self.path.release_gradient_slot(key, applied=served)
+            if holds and not served:  # its forward's activations must not serve a backward of a later step
+                self.path.forget([key])
         return result.reply if served else result
 
     # ------------------------------------------------------------------------------------ control calls

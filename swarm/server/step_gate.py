@@ -23,7 +23,12 @@ its slots back at once (its forward and backward run together), so nothing can w
 
 A slot taken by a forward whose backward never comes (its trainer died) is given up at the slot's expiry, and
 `on_expire` is told, so that the stage drops the forward's activations (a backward that comes later then
-recomputes at the current weights instead of applying a stale gradient). An averaging round is applied between
+recomputes at the current weights instead of applying a stale gradient). A slot held far longer than slots
+usually are (STRAGGLER_FACTOR times the typical hold, and at least MIN_STRAGGLER_S) is given up the same way, but
+only while another microbatch waits for one: a microbatch stuck behind a stalled or dead later peer would
+otherwise hold the whole step until its timeout, while the other microbatches could go around that peer. A slot
+whose gradient is being applied (`pin`: its work is in the worker) is never given up, so the worker's count of
+applied gradients and the gate's always agree. An averaging round is applied between
 two versions (`between_steps`), so it does not move weights under microbatches in flight either.
 
 Event loop only: one gate per served stage, touched by its handlers.
@@ -38,6 +43,10 @@ from contextlib import asynccontextmanager
 
 Key = tuple[str, str]  # (caller, microbatch id), as the stage caches forwards
 
+STRAGGLER_FACTOR = 4.0  # a slot held this many times the typical hold is given to a waiting microbatch
+MIN_STRAGGLER_S = 1.0  # ... and never sooner than this
+HOLD_SMOOTHING = 0.1  # weight of the newest applied slot's hold time in the typical hold
+
 
 class StepGate:
     def __init__(self, slots: int, on_expire: Callable[[list[Key]], None] | None = None):
@@ -50,7 +59,11 @@ class StepGate:
         self.open: dict[Key, float] = {}  # slots taken whose gradient is not applied yet -> when they expire
         self.waiting = 0  # microbatches waiting for a slot now
         self.waited = 0  # ... and in all (how often the gate held one back)
-        self.expired = 0  # slots given up because their backward did not come in time
+        self.expired = 0  # slots given up because their gradient did not come in time (expiry or straggler)
+        self.stragglers = 0  # ... of them, given up early to a waiting microbatch
+        self.taken_at: dict[Key, float] = {}
+        self.pinned: set[Key] = set()  # slots whose gradient is being applied: never given up
+        self.typical_hold: float | None = None  # smoothed seconds from take to an applied release
         self._closed = 0  # between_steps holds taken: no slot is handed out
         self._changed = asyncio.Condition()
 
@@ -61,10 +74,13 @@ class StepGate:
     def can_take(self) -> bool:
         return self._closed == 0 and self.taken < self.slots
 
-    async def take(self, key: Key, expires: float, wait_until: float) -> bool:
+    async def take(self, key: Key, expires: float, wait_until: float, pinned: bool = False) -> bool:
         """A slot of the current version for `key` (given up by itself at `expires`, time.monotonic()); waits for
-        one until `wait_until` and returns False if none came by then. A key holds at most one slot."""
+        one until `wait_until` and returns False if none came by then. A key holds at most one slot. `pinned`: the
+        work that applies the gradient starts at once (see `pin`)."""
         if key in self.open:
+            if pinned:
+                self.pinned.add(key)
             return True
         async with self._changed:
             if not self.can_take():
@@ -78,7 +94,7 @@ class StepGate:
                         self._expire(now)
                         if self.can_take():
                             break
-                        wake = min([wait_until, *self.open.values()])
+                        wake = min(wait_until, self._next_give_up())
                         try:
                             await asyncio.wait_for(self._changed.wait(), timeout=max(wake - now, 0.001))
                         except TimeoutError:
@@ -86,14 +102,30 @@ class StepGate:
                 finally:
                     self.waiting -= 1
             self.open[key] = expires
+            self.taken_at[key] = time.monotonic()
+            if pinned:
+                self.pinned.add(key)
             return True
+
+    def pin(self, key: Key) -> bool:
+        """The work that applies `key`'s gradient starts now: its slot is never given up from here on. False if
+        the slot was given up already (its gradient must not be applied: the step may have gone on without it)."""
+        if key not in self.open:
+            return False
+        self.pinned.add(key)
+        return True
 
     async def release(self, key: Key, applied: bool) -> None:
         """`key`'s gradient was applied here (True: it counts towards the step) or it will not be (False: its slot
         is free again for another microbatch). Unknown keys (an expired slot) are ignored."""
         if self.open.pop(key, None) is None:
             return
+        self.pinned.discard(key)
+        taken_at = self.taken_at.pop(key)
         if applied:
+            hold = time.monotonic() - taken_at
+            last = self.typical_hold
+            self.typical_hold = hold if last is None else last + HOLD_SMOOTHING * (hold - last)
             self.applied += 1
             if self.applied >= self.slots:  # the worker stepped with this gradient: a new version opens
                 self.version += 1
@@ -112,7 +144,7 @@ class StepGate:
             async with self._changed:
                 while self.open and time.monotonic() < deadline:
                     self._expire(time.monotonic())
-                    wake = min([deadline, *self.open.values()]) if self.open else deadline
+                    wake = min(deadline, self._next_give_up())
                     try:
                         await asyncio.wait_for(self._changed.wait(), timeout=max(wake - time.monotonic(), 0.001))
                     except TimeoutError:
@@ -123,11 +155,33 @@ class StepGate:
             async with self._changed:
                 self._changed.notify_all()
 
+    def _straggler_after(self) -> float | None:
+        """Seconds after which a held slot is a straggler while others wait (None: no slot was applied yet)."""
+        if self.typical_hold is None:
+            return None
+        return max(STRAGGLER_FACTOR * self.typical_hold, MIN_STRAGGLER_S)
+
+    def _give_up_at(self, key: Key) -> float:
+        """When `key`'s slot is given up if it is still held (inf: pinned)."""
+        if key in self.pinned:
+            return float("inf")
+        after = self._straggler_after()
+        if self.waiting == 0 or after is None:
+            return self.open[key]
+        return min(self.open[key], self.taken_at[key] + after)
+
+    def _next_give_up(self) -> float:
+        return min((self._give_up_at(key) for key in self.open), default=float("inf"))
+
     def _expire(self, now: float) -> None:
-        """Give up slots whose backward did not come before their expiry (called with the condition held)."""
-        gone = [key for key, expires in self.open.items() if expires <= now]
+        """Give up the slots past their expiry, and stragglers while a microbatch waits (with the condition
+        held)."""
+        gone = [key for key in self.open if self._give_up_at(key) <= now]
         for key in gone:
+            if self.open[key] > now:
+                self.stragglers += 1
             del self.open[key]
+            del self.taken_at[key]
         if gone:
             self.expired += len(gone)
             if self.on_expire is not None:

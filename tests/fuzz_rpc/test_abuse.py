@@ -13,7 +13,7 @@ import pytest
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 
-from fuzzing import CASES, FIRST, LAST, MANIFEST
+from fuzzing import CASES, FIRST, FORWARD_TIMEOUT, LAST, MANIFEST
 from swarm.trust.bans import BAD_REQUESTS_BEFORE_BAN
 from swarm.wire.messages import make_control_request
 from swarm.wire.tensors import encode_tensor
@@ -51,7 +51,9 @@ integration = pytest.mark.integration
 
 @integration
 def test_bad_backward_of_a_cached_forward_changes_nothing(swarm: Swarm):
-    """Stage 0 keeps the activations of training forwards: bad gradients for them are refused, not applied."""
+    """Stage 0 keeps the activations of training forwards: bad gradients for them are refused, not applied. The
+    two forwards hold the step's two gradient slots (the step gate): a third training forward is answered busy
+    after half its budget, not queued behind gradients that may never come."""
     clients = swarm.clients
     p2p = clients.fresh()  # its own identity: the activations it leaves cached are keyed by it
     ids = ["cached-0", "cached-1"]  # 14 bad requests: fewer than a ban takes
@@ -62,6 +64,9 @@ def test_bad_backward_of_a_cached_forward_changes_nothing(swarm: Swarm):
 
     for microbatch_id in ids:
         assert send(FORWARD, valid_forward(FIRST, train=True, microbatch_id=microbatch_id)) == "ok"
+    started = time.monotonic()
+    assert send(FORWARD, valid_forward(FIRST, train=True, microbatch_id="one-too-many")) == "busy"
+    assert FORWARD_TIMEOUT / 2 - 0.5 < time.monotonic() - started < FORWARD_TIMEOUT
     grad = hidden()
     bad_grads = [
         ("a NaN gradient", [with_value(grad, float("nan"))]),
