@@ -31,6 +31,9 @@ class Scenario:
     link_bits: float  # per direction
     delay: float  # seconds, one way, per boundary (a boundary crosses two peers' links)
     checkpointing: bool = True
+    # a flush per optimizer step (the step gate) costs a round trip per step: GPU swarms take large steps
+    # (the llama-1b preset's 64 microbatches of 8,192 tokens; swarm/pipeline_schedule.py)
+    microbatches_per_step: int = 64
 
     @property
     def tokens(self) -> int:

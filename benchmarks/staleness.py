@@ -5,6 +5,7 @@ delay-scaled learning rate).
     python benchmarks/staleness.py --quick          # about 7 minutes here: 2,048 and 6,144 samples, seed 0
     python benchmarks/staleness.py [--horizons 8192,32768] [--seeds 0,1] [--in-flight 8] [--modes flush,async]
                                    [--activation-compression 8bit] [--subspace-rank 0] [--width 256] [--stages 4]
+                                   [--replicas 2 --averaging-every 4096]
 
 A Llama (width 256, 4 stages of one block each, byte tokens of the stdlib corpus, context 64, microbatches of 16,
 a step every 8 microbatches at every stage, AdamW at a constant 0.001 so that one run gives every horizon) is
@@ -13,7 +14,11 @@ weight stash, the activation cache, the accumulation and the step by count), and
 stage (swarm/server/step_gate.py), the same objects a peer uses. A trainer keeps `--in-flight` microbatches in
 flight, each an asyncio task that goes forward through the stages and back; between two hops it yields a seeded
 random number of times, so that hops of different microbatches interleave as over real links (a deterministic
-run). Every boundary goes through the wire codec both ways (swarm/wire/tensors.py), as between peers.
+run). Every boundary goes through the wire codec both ways (swarm/wire/tensors.py), as between peers. With
+`--replicas R` there are R such pipelines, each with its own trainer and data, averaged by DiLoCo every
+`--averaging-every` samples (all replicas together) with the swarm's outer step and 4-bit pseudo-gradients; under
+flush a stage's round waits for its gates' open slots, as a peer's does, so the two delays cannot compose. The
+held-out loss is then the replicas' mean, and a horizon counts the samples of all replicas.
 
 Figures: per mode and in-flight count, the held-out loss at each horizon (32 fixed batches of 16 windows), its
 ratio to the same stages with 1 in flight (loss_ratio; the worst over horizons and the mean over seeds), the
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import sys
@@ -38,7 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hivemind.compression import CompressionInfo  # noqa: E402
+
 from swarm.architectures.model import build_stage  # noqa: E402
+from swarm.averaging.rules import averaging_compression, outer_step  # noqa: E402
 from swarm.dataset.shards import TextData, heldout_batches, sample_batch  # noqa: E402
 from swarm.manifests.manifest import Manifest  # noqa: E402
 from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
@@ -63,6 +72,7 @@ class Run:
     most_in_flight: list[int] = field(default_factory=list)  # per stage
     staleness_mean: list[float] = field(default_factory=list)
     staleness_max: list[int] = field(default_factory=list)
+    rounds: int = 0  # DiLoCo rounds between the replicas
     seconds: float = 0.0
 
 
@@ -82,6 +92,7 @@ def stage_manifest(args: argparse.Namespace, mode: str, seed: int) -> Manifest:
             "subspace_rank": args.subspace_rank,
         },
         stages={"count": args.stages},
+        averaging={"mode": "diloco", "every_samples": args.averaging_every, "compression": "4bit"},
         training={
             "microbatch_size": MICROBATCH,
             "microbatches_per_step": STEP,
@@ -118,27 +129,90 @@ def heldout_loss(stages: list[StageCompute], manifest: Manifest, batches: list) 
     return float(np.mean(losses))
 
 
+@dataclass
+class Replica:
+    """One replica of the pipeline: its stages, their step gates (flush) and its trainer's data."""
+
+    stages: list[StageCompute]
+    gates: list[StepGate] | None
+    data_rng: np.random.Generator
+    between: list[int]  # microbatches between their forward and their backward at each stage now
+
+
+def make_replica(manifest: Manifest, mode: str, seed: int, index: int) -> Replica:
+    count = manifest.num_stages
+    torch.manual_seed(seed)  # every replica starts from the same weights, as a swarm's do
+    stages = [StageCompute(manifest, s, build_stage(manifest, s), torch.device("cpu")) for s in range(count)]
+    gates = [StepGate(STEP, stage.forget_forwards) for stage in stages] if mode == "flush" else None
+    return Replica(stages, gates, np.random.default_rng(seed + 100 * index), [0] * count)
+
+
+class OuterSteps:
+    """DiLoCo between the replicas, stage by stage, with the swarm's own outer step (swarm/averaging/rules.py):
+    the anchor moves by the replicas' mean pseudo-gradient and every replica takes the anchor. Under flush a
+    stage's round waits for its gates' open slots (StepGate.between_steps), as a peer's round does, so a round
+    never lands between a forward and its backward; the last stage goes first, so that no round waits on one
+    upstream (a microbatch that holds an earlier stage's slot only ever waits for later stages)."""
+
+    def __init__(self, replicas: list[Replica], manifest: Manifest):
+        self.replicas, self.config = replicas, manifest.averaging
+        first = replicas[0].stages
+        self.anchors = [[p.detach().clone() for p in stage.params] for stage in first]
+        self.momenta = [[torch.zeros_like(p) for p in stage.params] for stage in first]
+        self.compression = averaging_compression(self.config.compression)
+        self.rounds = 0
+        self.lock = asyncio.Lock()
+
+    async def round(self, due: int) -> None:
+        """Run rounds until `due` have run (a microbatch that passed a round's boundary calls it)."""
+        async with self.lock:
+            if self.rounds >= due:  # another microbatch ran it meanwhile
+                return
+            for s in reversed(range(len(self.anchors))):
+                async with contextlib.AsyncExitStack() as stack:
+                    for replica in self.replicas:
+                        if replica.gates is not None:
+                            await stack.enter_async_context(replica.gates[s].between_steps(1e9))
+                    self._apply(s)
+            self.rounds += 1
+
+    def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.compression.extract(self.compression.compress(tensor, CompressionInfo.from_tensor(tensor)))
+
+    @torch.no_grad()
+    def _apply(self, s: int) -> None:
+        stages = [replica.stages[s] for replica in self.replicas]
+        # each replica's pseudo-gradient as the all-reduce sends it, and the mean as it comes back (4-bit by default)
+        sent = [[self._wire(anchor - p.detach()) for anchor, p in zip(self.anchors[s], st.params)] for st in stages]
+        pseudo = [self._wire(torch.stack(parts).mean(0)) for parts in zip(*sent)]
+        outer_step(
+            self.anchors[s], self.momenta[s], pseudo, self.config.outer_learning_rate, self.config.outer_momentum
+        )
+        for stage in stages:
+            for p, anchor in zip(stage.params, self.anchors[s]):
+                p.copy_(anchor)
+            stage.weights_version += 1  # forwards from now on use the new weights (as StageCompute.finish_round)
+
+
 async def train(args: argparse.Namespace, mode: str, in_flight: int, seed: int, data: TextData, held: list) -> Run:
     manifest = stage_manifest(args, mode, seed)
     count, compression = manifest.num_stages, manifest.training.activation_compression
-    torch.manual_seed(seed)
-    stages = [StageCompute(manifest, s, build_stage(manifest, s), torch.device("cpu")) for s in range(count)]
-    gates = [StepGate(STEP, stage.forget_forwards) for stage in stages] if mode == "flush" else None
+    replicas = [make_replica(manifest, mode, seed, r) for r in range(args.replicas)]
+    outer = OuterSteps(replicas, manifest) if args.replicas > 1 else None
     run = Run(mode, in_flight, seed, most_in_flight=[0] * count)
-    between = [0] * count  # microbatches between their forward and their backward at each stage now
-    data_rng, hop_rng = np.random.default_rng(seed), np.random.default_rng(seed + 1000)
+    hop_rng = np.random.default_rng(seed + 1000)
     horizons = sorted(args.horizons)
-    trained, started, begin = 0, 0, time.perf_counter()
-    total = horizons[-1] // MICROBATCH
-    slots = asyncio.Semaphore(in_flight)
+    trained, begin = 0, time.perf_counter()
+    per_replica = horizons[-1] // MICROBATCH // args.replicas
     far = time.monotonic() + 1e9
 
     async def hop() -> None:
         for _ in range(int(hop_rng.integers(1, MAX_YIELDS + 1))):
             await asyncio.sleep(0)
 
-    async def microbatch(number: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    async def microbatch(replica: Replica, number: int, x: torch.Tensor, y: torch.Tensor) -> None:
         nonlocal trained
+        stages, gates, between = replica.stages, replica.gates, replica.between
         key, hidden, grad = ("trainer", f"m{number}"), x, None
         for s in range(count):
             await hop()
@@ -162,25 +236,33 @@ async def train(args: argparse.Namespace, mode: str, in_flight: int, seed: int, 
                 await gates[s].release(key, applied=True)
             grad = wire(outputs[0], compression) if s > 0 else None
         trained += x.shape[0]
+        done = trained
         for horizon in horizons:  # the held-out loss as the run passes each horizon (the weights of that moment)
-            if trained - x.shape[0] < horizon <= trained:
-                run.heldout[horizon] = heldout_loss(stages, manifest, held)
+            if done - x.shape[0] < horizon <= done:
+                run.heldout[horizon] = float(np.mean([heldout_loss(r.stages, manifest, held) for r in replicas]))
+        if outer is not None and done // args.averaging_every > outer.rounds:
+            await outer.round(done // args.averaging_every)
 
-    async def one(number: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        try:
-            await microbatch(number, x, y)
-        finally:
-            slots.release()
+    async def trainer(index: int, replica: Replica) -> None:
+        slots, tasks = asyncio.Semaphore(in_flight), []
 
-    tasks = []
-    while started < total:
-        await slots.acquire()
-        x, y = sample_batch(data.train, MICROBATCH, CONTEXT, data_rng)
-        tasks.append(asyncio.create_task(one(started, x, y)))
-        started += 1
-    await asyncio.gather(*tasks)
+        async def one(number: int, x: torch.Tensor, y: torch.Tensor) -> None:
+            try:
+                await microbatch(replica, number, x, y)
+            finally:
+                slots.release()
+
+        for number in range(per_replica):
+            await slots.acquire()
+            x, y = sample_batch(data.train, MICROBATCH, CONTEXT, replica.data_rng)
+            tasks.append(asyncio.create_task(one(index * per_replica + number, x, y)))
+        await asyncio.gather(*tasks)
+
+    await asyncio.gather(*(trainer(i, replica) for i, replica in enumerate(replicas)))
+    stages = replicas[0].stages
     run.staleness_mean = [round(s.counters.staleness_mean, 3) for s in stages]
-    run.staleness_max = [s.counters.staleness_max for s in stages]
+    run.staleness_max = [max(r.stages[s].counters.staleness_max for r in replicas) for s in range(count)]
+    run.rounds = outer.rounds if outer is not None else 0
     run.seconds = time.perf_counter() - begin
     return run
 
@@ -197,6 +279,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--stages", type=int, default=4, help="stages of one block each")
     parser.add_argument("--lr", type=float, default=0.001)
+    parser.add_argument("--replicas", type=int, default=1, help="pipelines averaged with DiLoCo (default 1: none)")
+    parser.add_argument(
+        "--averaging-every",
+        type=int,
+        default=4096,
+        help="samples (all replicas together) between DiLoCo rounds (default 4096, the swarm's)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.horizons, args.seeds = "2048,6144", "0"
@@ -223,6 +312,7 @@ def main() -> None:
             "in_flight": [max(r.most_in_flight[s] for r in done) for s in range(args.stages - 1)],
             "staleness_mean": done[0].staleness_mean,
             "staleness_max": [max(r.staleness_max[s] for r in done) for s in range(args.stages)],
+            "averaging_rounds": done[0].rounds,
             "seconds_per_run": round(float(np.mean([r.seconds for r in done])), 1),
         }
     headline = results[modes[0]]
@@ -234,6 +324,8 @@ def main() -> None:
                 "microbatches_per_step": STEP,
                 "activation_compression": args.activation_compression,
                 "subspace_rank": args.subspace_rank,
+                "replicas": args.replicas,
+                "averaging_every": args.averaging_every if args.replicas > 1 else None,
                 "horizons": horizons,
                 "seeds": seeds,
                 "mode": modes[0],

@@ -3,12 +3,13 @@
     python benchmarks/wan.py [--seconds 40] [--settings unshaped,nanogpt,...] [--pipelines forward,relay]
                              [--activation-compression float32|float16|8bit] [--window 16] [--fixed-window]
 
-    python benchmarks/wan.py --scenarios llama-1b-4090-200mbit[,...] [--methods 8bit,subspace] [--seconds 40]
+    python benchmarks/wan.py --scenarios llama-1b-4090-200mbit[,...] [--methods 8bit,subspace] [--seconds 90]
 
 With --scenarios, the links are set as a GPU would see them (benchmarks/gpu_scenarios.py, docs/BENCHMARKS.md): a
-small Llama in 3 stages first runs on unshaped links (its compute bound: this machine's seconds per microbatch
+small Llama in 4 stages, with the scenario's 64 microbatches per step, first runs on unshaped links (its compute bound: this machine's seconds per microbatch
 and its middle stage's uplink bytes per microbatch), then behind links whose transfer time and delay over that
-compute time equal the scenario's GPU's. One JSON line per scenario and method (8bit: today's hidden states;
+compute time equal the scenario's GPU's, once with the trainers' automatic window and once with one microbatch in
+flight (the `_one_in_flight` figures). One JSON line per scenario and method (8bit: today's hidden states;
 subspace: model.subspace_rank at width/16; subspace-4bit: those coordinates in 4 bits) with fraction_of_compute_bound (samples/s shaped over unshaped),
 arithmetic_bound (1 / transfer_over_compute, at most 1) and projected_tokens_per_second (the fraction times the
 GPU's compute-bound tokens/s through the pipeline). Scenarios: llama-1b-4090-{200,50,20}mbit,
@@ -56,6 +57,7 @@ from swarm.manifests.validation import manifest_from_dict  # noqa: E402
 from swarm.network.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
 
 STAGES = 3
+SCENARIO_STAGES = 4  # the GPU-equivalent scenarios' local swarm: llama-1b's 4 stages (the 7B's 8 are not)
 TRAINERS = 2
 HETERO = [["100mbit/10ms"], ["100mbit/10ms", "10mbit/100ms"], ["100mbit/10ms"]]
 SETTINGS = {  # per stage, the links of its peers; the trainers' link; how trainers route
@@ -179,52 +181,68 @@ def run_setting(
     }
 
 
-def scenario_manifest(method: str, window: int) -> dict:
-    """The local swarm of the GPU-equivalent scenarios: a small Llama in 3 stages, 8-bit hidden states, or their
-    subspace coordinates at width/16 (as the scenario's GPU model)."""
+def scenario_manifest(method: str, microbatches_per_step: int, window: int) -> dict:
+    """The local swarm of the GPU-equivalent scenarios: a small Llama in SCENARIO_STAGES stages, 8-bit hidden
+    states, or their subspace coordinates at width/16 (as the scenario's GPU model), with the scenario's step
+    (the step gate's flush costs a round trip per step, as on the GPUs). `window` 0: the automatic window."""
     manifest = manifest_for("forward", window, True, "network_aware", "8bit")
     manifest["model"] = {
         "architecture": "llama",
         "vocab_size": 256,
         "width": 128,
-        "depth": 6,
+        "depth": 2 * SCENARIO_STAGES,
         "heads": 4,
         "intermediate_size": 384,
         "context_length": 128,
         "seed": 0,
         "subspace_rank": 8 if method.startswith("subspace") else 0,
     }
+    manifest["stages"] = {"count": SCENARIO_STAGES}
+    manifest["training"]["microbatches_per_step"] = microbatches_per_step
+    if window == 1:
+        manifest["training"]["adaptive_window"] = False
     if method == "subspace-4bit":
         manifest["training"]["activation_compression"] = "4bit"
     return manifest
 
 
+def uniform_links(link: str) -> dict:
+    """A scenario's setting: every peer (SCENARIO_STAGES stage peers, the trainers) behind the same link."""
+    return {"stages": [[link]] * SCENARIO_STAGES, "trainer": link}
+
+
 def run_scenarios(names: list[str], methods: list[str], args: argparse.Namespace, folder: Path) -> None:
     """For each method: the local swarm on unshaped links (its compute bound: seconds per microbatch and uplink
     bytes per microbatch of its middle stage), then, per scenario, behind the links that give it the scenario's
-    transfer and delay ratios (benchmarks/gpu_scenarios.py). One JSON line per scenario and method."""
+    transfer and delay ratios (benchmarks/gpu_scenarios.py), with the trainers' automatic window and with one
+    microbatch in flight. One JSON line per scenario and method."""
+    seconds = args.seconds or 90.0
+    run = dict(pipeline="forward", seconds=seconds, warmup=args.warmup or 30.0, compression=None, folder=folder)
     for method in methods:
-        manifest = scenario_manifest(method, args.window)
-        run = dict(pipeline="forward", seconds=args.seconds, warmup=args.warmup, window=args.window, adaptive=True)
-        unshaped = run_setting(
-            f"unshaped-{method}",
-            **run,
-            compression=None,
-            folder=folder,
-            setting=SETTINGS["unshaped"],
-            manifest=dict(manifest),
-        )
-        batch = manifest["training"]["microbatch_size"]
-        local_seconds = batch / unshaped["samples_per_second"]
-        uplink = unshaped["uplink_bytes_per_sample"]["stage1-0"] * batch
+        unshaped_runs: dict[int, dict] = {}  # by microbatches per step
         for name in names:
             scenario = SCENARIOS[name]
+            steps = args.microbatches_per_step or scenario.microbatches_per_step
+            manifest = scenario_manifest(method, steps, args.window)
+            if steps not in unshaped_runs:
+                unshaped_runs[steps] = run_setting(
+                    f"unshaped-{method}-{steps}",
+                    **run,
+                    window=args.window,
+                    adaptive=True,
+                    setting=uniform_links("unlimited"),
+                    manifest=dict(manifest),
+                )
+            unshaped = unshaped_runs[steps]
+            batch = manifest["training"]["microbatch_size"]
+            local_seconds = batch / unshaped["samples_per_second"]
+            uplink = unshaped["uplink_bytes_per_sample"]["stage1-0"] * batch
             link = local_link(scenario, method, local_seconds, uplink)
-            setting = {"stages": [[link]] * STAGES, "trainer": link}
             ratio = scenario.transfer_ratio(method)
             figures = {
                 "scenario": name,
                 "method": method,
+                "microbatches_per_step": steps,
                 "gpu_compute_seconds": round(scenario.gpu_compute_seconds(method), 4),
                 "gpu_uplink_bytes_per_microbatch": round(scenario.gpu_uplink_bytes(method)),
                 "transfer_over_compute": round(ratio, 3),
@@ -234,23 +252,33 @@ def run_scenarios(names: list[str], methods: list[str], args: argparse.Namespace
                 "local_seconds_per_microbatch": round(local_seconds, 4),
                 "local_uplink_bytes_per_microbatch": round(uplink),
                 "compute_bound": unshaped["samples_per_second"],
+                "compute_bound_window": unshaped["window"],
             }
-            try:
-                shaped = run_setting(
-                    f"{name}-{method}", **run, compression=None, folder=folder, setting=setting, manifest=dict(manifest)
+            for label, window in (("", args.window), ("_one_in_flight", 1)):
+                try:
+                    shaped = run_setting(
+                        f"{name}-{method}{label}",
+                        **run,
+                        window=window,
+                        adaptive=window != 1,
+                        setting=uniform_links(link),
+                        manifest=scenario_manifest(method, steps, window),
+                    )
+                except processes.PeerFailed as e:  # a link so slow that a peer cannot even join: say so, go on
+                    figures.update({f"fraction_of_compute_bound{label}": None, f"error{label}": str(e).splitlines()[0]})
+                    continue
+                fraction = shaped["samples_per_second"] / unshaped["samples_per_second"]
+                figures.update(
+                    {
+                        f"samples_per_second{label}": shaped["samples_per_second"],
+                        f"fraction_of_compute_bound{label}": round(fraction, 3),
+                        f"projected_tokens_per_second{label}": round(
+                            fraction * scenario.compute_bound_tokens_per_second(method)
+                        ),
+                        f"window{label}": shaped["window"],
+                        f"failed_microbatches{label}": shaped["failed_microbatches"],
+                    }
                 )
-            except processes.PeerFailed as e:  # a link so slow that a peer cannot even join: say so, go on
-                first_line = str(e).splitlines()[0]
-                figures.update(samples_per_second=None, fraction_of_compute_bound=None, error=first_line)
-                print(json.dumps(figures), flush=True)
-                continue
-            fraction = shaped["samples_per_second"] / unshaped["samples_per_second"]
-            figures.update(
-                samples_per_second=shaped["samples_per_second"],
-                fraction_of_compute_bound=round(fraction, 3),
-                projected_tokens_per_second=round(fraction * scenario.compute_bound_tokens_per_second(method)),
-                failed_microbatches=shaped["failed_microbatches"],
-            )
             print(json.dumps(figures), flush=True)
 
 
@@ -273,10 +301,22 @@ def write_manifest_dict(manifest: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=40.0, help="measured seconds per run (default 40)")
-    parser.add_argument("--warmup", type=float, default=10.0, help="seconds of training before measuring (default 10)")
     parser.add_argument(
-        "--window", type=int, default=16, help="most microbatches in flight per trainer (adaptive below; default 16)"
+        "--seconds", type=float, help="measured seconds per run (default 40; with --scenarios 90: several steps)"
+    )
+    parser.add_argument(
+        "--warmup", type=float, help="seconds of training before measuring (default 10; with --scenarios 30)"
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        help="most microbatches in flight per trainer (adaptive below; default 16; with --scenarios the "
+        "automatic limit, two steps' worth)",
+    )
+    parser.add_argument(
+        "--microbatches-per-step",
+        type=int,
+        help="with --scenarios: the local swarm's step (default: the scenario's, 64 as the llama-1b preset)",
     )
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     parser.add_argument("--pipelines", default="forward,relay", help="forward, relay or both (default both)")
@@ -303,8 +343,10 @@ def main() -> None:
         stop_on_sigterm()
         folder = Path(tempfile.mkdtemp(prefix="swarm-wan-"))
         print(f"peer logs: {folder}", file=sys.stderr)
+        args.window = args.window or 0
         run_scenarios(chosen, args.methods.split(","), args, folder)
         return
+    args.seconds, args.warmup, args.window = args.seconds or 40.0, args.warmup or 10.0, args.window or 16
     names = [n for n in args.settings.split(",") if n]
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:

@@ -101,7 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     training.add_argument("--microbatches-per-step", type=int, default=None, help="microbatches per optimizer step")
     training.add_argument("--learning-rate", type=float, default=None)
     training.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
-    training.add_argument("--max-in-flight", type=int, default=None, help="microbatches a trainer keeps in flight")
+    training.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="the most microbatches a trainer keeps in flight (default 0: two steps' worth, adapted to the route)",
+    )
     training.add_argument(
         "--activation-compression", choices=ACTIVATION_COMPRESSIONS, default=None, help="between stages"
     )

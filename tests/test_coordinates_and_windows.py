@@ -69,6 +69,16 @@ def test_window_grows_to_fill_the_pipe_and_shrinks_when_microbatches_queue():
             now += 0.1
             route.observe(1.5, now)
         assert (route.size > 6) == grows, (stages, route.size)
+    # a GPU swarm's long route: nothing queues yet, so the window doubles per window of completions (slow start)
+    # and reaches 64 after about 64 completions, not the ~2,000 that growing by one would take
+    gpu = AdaptiveWindow(maximum=64, stages=4)
+    completions = 0
+    while gpu.size < 64:
+        completions += 1
+        gpu.observe(2.0, completions * 0.01)
+    assert completions < 80, completions
+    gpu.busy()  # stage 0 said busy: one fewer, and it grows by one at a time from here
+    assert gpu.size == 63 and not gpu.slow_start
     fixed = AdaptiveWindow(maximum=4, adaptive=False)
     fixed.observe(5.0, 1.0)
     assert fixed.size == 4

@@ -14,6 +14,7 @@ import pytest
 from conftest import client_dht, tiny_manifest_dict
 from swarm.dht.records import fetch_announcements
 from swarm.manifests.validation import manifest_from_dict
+from swarm.network.emulated_links import EmulatedLinks, LinkSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow(40)]
 
@@ -53,3 +54,29 @@ def test_eight_microbatches_in_flight_apply_no_stale_gradient_under_the_step_gat
     else:
         assert record["staleness_max"] >= 1, record  # 8 in flight and a step every 4: stale without the gate
         assert first_line["gate_waited"] == 0
+
+
+@pytest.mark.slow(40)
+def test_a_trainer_fills_a_long_route_by_itself_with_the_default_window(start_peer, write_manifest):
+    """With the manifest's defaults (max_in_flight 0: two steps' worth, adapted to the route) a trainer behind
+    40 ms links keeps several microbatches in flight, at most the automatic limit, and no gradient is stale."""
+    training = {"microbatches_per_step": 4, "max_in_flight": 0, "adaptive_window": True}
+    raw = tiny_manifest_dict(training=training, averaging={"mode": "none"})
+    limit = manifest_from_dict(raw).training.window_limit()
+    assert limit == 8
+    link = LinkSpec.parse("unlimited/40ms")  # a round trip of 4 x 80 ms through 2 stages: far above compute
+    status = ("--status-every", "1")
+    with EmulatedLinks(lifetime=300) as links:
+        first = start_peer(write_manifest(raw), "--stage", "0", "--no-trainer", *status, *links.peer_flags("s0", link))
+        raw["initial_peers"] = [first.maddr()]
+        joined = write_manifest(raw, "joined.json")
+        start_peer(joined, "--stage", "1", "--no-trainer", *links.peer_flags("s1", link))
+        trainer = start_peer(joined, "--trainer-only", *status, *links.peer_flags("trainer", link))
+        trainer.wait_for_json(lambda line: (line.get("trainer_samples") or 0) >= 8 * 120, 120, "training")
+        windows = [line["trainer_window"] for line in trainer.status_lines() if "trainer_window" in line]
+        last = trainer.status_lines()[-1]
+        stage_zero = first.status_lines()[-1]
+    print(f"trainer windows: {windows}")
+    assert max(windows) >= limit // 2 and max(windows) <= limit, windows  # one in flight was the old default
+    assert last["trainer_failed_microbatches"] == 0, last
+    assert stage_zero["staleness_max"] == 0, stage_zero

@@ -148,3 +148,32 @@ def test_a_pinned_slot_outlives_its_expiry():
         assert gate.version == 1 and await take_later(gate, "b")
 
     asyncio.run(scenario())
+
+
+def test_a_trainer_with_a_large_window_cannot_crowd_out_one_with_a_small():
+    """Waiting microbatches are served by their trainers' recent shares of slots, not in arrival order: a greedy
+    trainer that queues 6 microbatches before a polite one queues 1 still gets only every other slot."""
+
+    async def scenario() -> None:
+        gate = StepGate(slots=1)
+        order: list[str] = []
+
+        async def microbatch(caller: str, name: str) -> None:
+            assert await gate.take((caller, name), far(), time.monotonic() + 10)
+            order.append(caller)
+
+        assert await gate.take(("greedy", "g0"), far(), time.monotonic() + 1)
+        tasks = [asyncio.create_task(microbatch("greedy", f"g{i}")) for i in range(1, 7)]
+        await asyncio.sleep(0.05)
+        tasks += [asyncio.create_task(microbatch("polite", f"p{i}")) for i in range(3)]
+        await asyncio.sleep(0.05)
+        assert gate.waiting == 9
+        held = ("greedy", "g0")
+        for _ in range(9):  # each step has one slot: apply the holder's gradient, the next in turn takes the slot
+            await gate.release(held, applied=True)
+            await asyncio.sleep(0.02)
+            (held,) = gate.open
+        await asyncio.gather(*tasks)
+        assert order[:6] == ["polite", "greedy"] * 3, order  # polite came last but is served every other slot
+
+    asyncio.run(scenario())

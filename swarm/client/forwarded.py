@@ -112,6 +112,8 @@ class ForwardedPipeline:
                 return float(loss), samples
             except RemoteStageError as e:
                 last_error = e
+                if e.code == ErrorCode.BUSY and train:  # a full stage: the window is more than it can take
+                    self.window.busy()
                 if e.code == ErrorCode.DUPLICATE:  # an earlier attempt is still in progress there: its reply will
                     tried.discard(route[0])  # be replayed once it is done (nothing is applied twice)
                     await asyncio.sleep(NO_PEER_WAIT)

@@ -81,7 +81,7 @@ class Trainer:
         self.max_elements = max_request_elements(manifest)
         adaptive = manifest.training.adaptive_window and manifest.training.pipeline == "forward"
         self.window = AdaptiveWindow(  # microbatches in flight
-            manifest.training.max_in_flight, adaptive, stages=manifest.num_stages
+            manifest.training.window_limit(), adaptive, stages=manifest.num_stages
         )
         self.router = router or Router(network_aware=manifest.training.routing == "network_aware")
         self.samples = 0
@@ -170,7 +170,7 @@ class Trainer:
     async def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]], timeout: float = 120.0) -> float:
         """Mean loss of the swarm's current model on the given batches (forward only, nothing is trained)."""
         deadline = time.monotonic() + timeout
-        semaphore = asyncio.Semaphore(self.manifest.training.max_in_flight)
+        semaphore = asyncio.Semaphore(self.manifest.training.window_limit())
 
         async def one(inputs: torch.Tensor, targets: torch.Tensor) -> float:
             async with semaphore:

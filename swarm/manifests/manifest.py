@@ -82,6 +82,7 @@ class Timeouts:
 
 
 PIPELINES = ("forward", "relay")
+WINDOW_STEPS = 2  # the automatic window limit, in optimizer steps' worth of microbatches (TrainingConfig.window_limit)
 PIPELININGS = ("flush", "async")
 ROUTINGS = ("network_aware", "compute_only")
 
@@ -94,11 +95,12 @@ class TrainingConfig:
     learning_rate: float = 1e-3
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
-    # microbatches a trainer keeps in flight; more pipelines better but makes stage 0's gradients staler, which
-    # costs more loss than it gains when a swarm has many trainers (docs/BENCHMARKS.md, convergence)
-    max_in_flight: int = 1
-    # with the forward pipeline, the number in flight adapts to the route (swarm/client/window.py), up to
-    # max_in_flight; false: always max_in_flight
+    # the most microbatches a trainer keeps in flight; 0: automatic, WINDOW_STEPS steps' worth (window_limit).
+    # Under the step gate (pipelining flush) more in flight costs no loss, and a step's microbatches plus the
+    # next step's first ones waiting at stage 0 are all a pipe can use
+    max_in_flight: int = 0
+    # with the forward pipeline, the number in flight adapts to the route (swarm/client/window.py), up to the
+    # limit; false: always the limit
     adaptive_window: bool = True
     # flush: a stage steps only when the microbatches it started on the current weights are all back, so no
     # gradient is stale however many are in flight (swarm/server/step_gate.py); async: it steps every
@@ -120,6 +122,11 @@ class TrainingConfig:
     # network_aware: routes count the transfers between hops (latency and bandwidth); compute_only: they do not
     routing: str = "network_aware"
     timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def window_limit(self) -> int:
+        """The most microbatches a trainer keeps in flight: max_in_flight, or when it is 0 (automatic) enough to
+        fill this step's slots at every stage and have the next step's waiting (WINDOW_STEPS steps)."""
+        return self.max_in_flight or WINDOW_STEPS * self.microbatches_per_step
 
 
 @dataclass(frozen=True)

@@ -53,12 +53,12 @@ PRESETS: dict[str, Preset] = {
         stages=4,
         training={
             "microbatch_size": 4,
-            "microbatches_per_step": 8,
+            "microbatches_per_step": 64,  # the step gate flushes once per step: large steps hide it
             "learning_rate": 0.0003,
             "activation_compression": "8bit",
             "timeouts": {"forward": 60, "backward": 120, "microbatch": 600},
         },
-        averaging={"every_samples": 8192, "matchmaking_time": 15.0, "timeout": 300.0},
+        averaging={"every_samples": 65536, "matchmaking_time": 15.0, "timeout": 300.0},
         network={"announce_period": 10.0},
     ),
     # Llama shapes (RMSNorm, rotary positions, SwiGLU, grouped-query attention): swarm/architectures/llama.py
@@ -95,12 +95,12 @@ PRESETS: dict[str, Preset] = {
         stages=2,
         training={
             "microbatch_size": 8,
-            "microbatches_per_step": 8,
+            "microbatches_per_step": 64,  # the step gate flushes once per step: large steps hide it
             "learning_rate": 0.0004,
             "precision": "bfloat16",
             "activation_compression": "8bit",
         },
-        averaging={"every_samples": 8192},
+        averaging={"every_samples": 65536},
         network={"announce_period": 5.0},
     ),
     "llama-1b": Preset(
@@ -120,14 +120,14 @@ PRESETS: dict[str, Preset] = {
         stages=4,
         training={
             "microbatch_size": 4,
-            "microbatches_per_step": 8,
+            "microbatches_per_step": 64,  # the step gate flushes once per step: large steps hide it
             "learning_rate": 0.0003,
             "precision": "bfloat16",
             "activation_checkpointing": True,
             "activation_compression": "8bit",
             "timeouts": {"forward": 60, "backward": 120, "microbatch": 600},
         },
-        averaging={"every_samples": 8192, "matchmaking_time": 15.0, "timeout": 300.0},
+        averaging={"every_samples": 65536, "matchmaking_time": 15.0, "timeout": 300.0},
         network={"announce_period": 10.0},
     ),
 }

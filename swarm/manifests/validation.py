@@ -99,7 +99,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
         weight_decay=t.number("weight_decay", minimum=0.0, maximum=100.0),
         # clipping bounds what one (possibly hostile) gradient can do to the weights: it cannot be turned off
         max_grad_norm=t.number("max_grad_norm", minimum=1e-6),
-        max_in_flight=t.integer("max_in_flight", minimum=1, maximum=1024),
+        max_in_flight=t.integer("max_in_flight", minimum=0, maximum=1024),
         adaptive_window=t.boolean("adaptive_window"),
         pipelining=t.choice("pipelining", PIPELININGS),
         delay_scaled_lr=t.boolean("delay_scaled_lr"),

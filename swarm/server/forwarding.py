@@ -40,6 +40,7 @@ from swarm.errors import (
     DownstreamFailedError,
     DuplicateMicrobatchError,
     RemoteStageError,
+    TooLateError,
     WrongStageError,
 )
 from swarm.manifests.manifest import Manifest
@@ -202,7 +203,7 @@ class Forwarder:
         if not path.pin_gradient_slot((caller, fields.microbatch_id)):
             # the later stages took so long that the step went on without this microbatch (server/step_gate.py)
             await path.worker.run(lambda c: c.settle(fields.microbatch_id, False, caller))
-            late = DownstreamFailedError(f"stage {self.stage}: the next stages answered too late for this step")
+            late = TooLateError(f"stage {self.stage}: the next stages answered after the step went on without it")
             return path.error_reply("train", caller, late), False
         extras = [targets] if sends_window(self.manifest) and self.stage > 0 else []
         backward = StageRequest(fields.stage, fields.microbatch_id, True, [grad, inputs, *extras])

@@ -10,8 +10,8 @@ compensating it, as GPipe, PipeDream-flush and 1F1B-flush do, but per peer and w
 - each optimizer step (a *version* of the weights) has `microbatches_per_step` slots; a microbatch takes one at
   this stage before the work that will produce its gradient here (a training forward, or a backward that
   recomputes forward from its inputs), and gives it back when its gradient is applied (or not: a failure);
-- when every slot of the version is taken, the microbatches that want one wait (in arrival order, so trainers
-  are served in turn) until the version's gradients are all applied: the stage's worker then steps (it steps by
+- when every slot of the version is taken, the microbatches that want one wait (served by their callers' recent
+  shares of slots, the smallest first, so a trainer with a large window cannot crowd out one with a small) until the version's gradients are all applied: the stage's worker then steps (it steps by
   count, and exactly `microbatches_per_step` gradients were applied), and the next version opens;
 - so every gradient a stage applies was computed at the weights it is applied to: the version distance is 0 at
   every stage, however many microbatches are in flight, and the loss at equal samples is that of one in flight.
@@ -37,6 +37,7 @@ Event loop only: one gate per served stage, touched by its handlers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -46,6 +47,7 @@ Key = tuple[str, str]  # (caller, microbatch id), as the stage caches forwards
 STRAGGLER_FACTOR = 4.0  # a slot held this many times the typical hold is given to a waiting microbatch
 MIN_STRAGGLER_S = 1.0  # ... and never sooner than this
 HOLD_SMOOTHING = 0.1  # weight of the newest applied slot's hold time in the typical hold
+SHARE_DECAY = 0.95  # per slot handed out: a caller's share of slots counts about the last 20
 
 
 class StepGate:
@@ -57,14 +59,16 @@ class StepGate:
         self.version = 0  # optimizer steps this gate has let happen
         self.applied = 0  # gradients applied in this version
         self.open: dict[Key, float] = {}  # slots taken whose gradient is not applied yet -> when they expire
-        self.waiting = 0  # microbatches waiting for a slot now
-        self.waited = 0  # ... and in all (how often the gate held one back)
+        self.waited = 0  # microbatches that waited for a slot, in all (how often the gate held one back)
         self.expired = 0  # slots given up because their gradient did not come in time (expiry or straggler)
         self.stragglers = 0  # ... of them, given up early to a waiting microbatch
         self.taken_at: dict[Key, float] = {}
         self.pinned: set[Key] = set()  # slots whose gradient is being applied: never given up
         self.typical_hold: float | None = None  # smoothed seconds from take to an applied release
         self._closed = 0  # between_steps holds taken: no slot is handed out
+        self._queue: dict[int, str] = {}  # waiting microbatches: ticket (arrival order) -> caller
+        self._tickets = itertools.count()
+        self._shares: dict[str, float] = {}  # slots each caller got recently (decaying)
         self._changed = asyncio.Condition()
 
     @property
@@ -77,35 +81,56 @@ class StepGate:
     async def take(self, key: Key, expires: float, wait_until: float, pinned: bool = False) -> bool:
         """A slot of the current version for `key` (given up by itself at `expires`, time.monotonic()); waits for
         one until `wait_until` and returns False if none came by then. A key holds at most one slot. `pinned`: the
-        work that applies the gradient starts at once (see `pin`)."""
+        work that applies the gradient starts at once (see `pin`). Waiting microbatches are served by their
+        callers' recent shares of slots, the smallest first (then in arrival order)."""
         if key in self.open:
             if pinned:
                 self.pinned.add(key)
             return True
         async with self._changed:
-            if not self.can_take():
-                self.waiting += 1
+            if not (self.can_take() and not self._queue):
+                ticket = next(self._tickets)
+                self._queue[ticket] = key[0]
                 self.waited += 1
                 try:
-                    while not self.can_take():
+                    while True:
                         now = time.monotonic()
+                        self._expire(now)
+                        if self.can_take() and self._turn() == ticket:
+                            break
                         if now >= wait_until:
                             return False
-                        self._expire(now)
-                        if self.can_take():
-                            break
                         wake = min(wait_until, self._next_give_up())
                         try:
                             await asyncio.wait_for(self._changed.wait(), timeout=max(wake - now, 0.001))
                         except TimeoutError:
                             pass
                 finally:
-                    self.waiting -= 1
+                    del self._queue[ticket]
+                    self._changed.notify_all()  # the next in turn may go (or a slot is still free)
             self.open[key] = expires
             self.taken_at[key] = time.monotonic()
             if pinned:
                 self.pinned.add(key)
+            self._count_share(key[0])
             return True
+
+    @property
+    def waiting(self) -> int:
+        """Microbatches waiting for a slot now."""
+        return len(self._queue)
+
+    def _turn(self) -> int | None:
+        """The waiting ticket whose turn it is: of the caller with the smallest recent share, the earliest."""
+        return min(self._queue, key=lambda t: (self._shares.get(self._queue[t], 0.0), t), default=None)
+
+    def _count_share(self, caller: str) -> None:
+        """One more slot for `caller`: every caller's share decays by SHARE_DECAY per slot handed out."""
+        for other in list(self._shares):
+            self._shares[other] *= SHARE_DECAY
+            if self._shares[other] < 0.01:
+                del self._shares[other]
+        self._shares[caller] = self._shares.get(caller, 0.0) + 1.0
 
     def pin(self, key: Key) -> bool:
         """The work that applies `key`'s gradient starts now: its slot is never given up from here on. False if
