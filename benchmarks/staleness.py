@@ -287,6 +287,8 @@ def main() -> None:
         help="samples (all replicas together) between DiLoCo rounds (default 4096, the swarm's)",
     )
     args = parser.parse_args()
+    if args.replicas < 1 or args.averaging_every < 1:
+        parser.error("--replicas and --averaging-every must be at least 1")
     if args.quick:
         args.horizons, args.seeds = "2048,6144", "0"
     args.horizons = sorted(int(h) for h in args.horizons.split(","))

@@ -11,8 +11,8 @@ queue at every stage and link in series, and each needs work waiting to stay bus
 stages: 1–2 in all kept 3 in flight and 38 samples/s, 1–2 per stage 6 and 44, a fixed 16 51; docs/BENCHMARKS.md).
 Several trainers that share stages each keep their share queued, so together they fill the pipe without flooding
 it. The window stays within [1, maximum]. Like Vegas it starts slowly but not linearly: until the first sign of
-queueing (or a lost microbatch) it doubles once per window of completions, so a GPU swarm's window of 64 (two
-steps of 32 microbatches) is reached after about 64 completions instead of about 2,000.
+queueing (a busy stage, or a lost microbatch) it doubles once per window of completions, so a GPU preset's limit
+of 128 (two steps of 64 microbatches) is reached after about 128 completions instead of about 8,000.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ compensating it, as GPipe, PipeDream-flush and 1F1B-flush do, but per peer and w
   this stage before the work that will produce its gradient here (a training forward, or a backward that
   recomputes forward from its inputs), and gives it back when its gradient is applied (or not: a failure);
 - when every slot of the version is taken, the microbatches that want one wait (served by their callers' recent
-  shares of slots, the smallest first, so a trainer with a large window cannot crowd out one with a small) until the version's gradients are all applied: the stage's worker then steps (it steps by
-  count, and exactly `microbatches_per_step` gradients were applied), and the next version opens;
+  shares of slots, the smallest first, so a trainer with a large window cannot crowd out one with a small)
+  until the version's gradients are all applied: the stage's worker then steps (it steps by count, and exactly
+  `microbatches_per_step` gradients were applied), and the next version opens;
 - so every gradient a stage applies was computed at the weights it is applied to: the version distance is 0 at
   every stage, however many microbatches are in flight, and the loss at equal samples is that of one in flight.
 
@@ -28,8 +29,8 @@ usually are (STRAGGLER_FACTOR times the typical hold, and at least MIN_STRAGGLER
 only while another microbatch waits for one: a microbatch stuck behind a stalled or dead later peer would
 otherwise hold the whole step until its timeout, while the other microbatches could go around that peer. A slot
 whose gradient is being applied (`pin`: its work is in the worker) is never given up, so the worker's count of
-applied gradients and the gate's always agree. An averaging round is applied between
-two versions (`between_steps`), so it does not move weights under microbatches in flight either.
+applied gradients and the gate's always agree. An averaging round is applied between two versions
+(`between_steps`), so it does not move weights under microbatches in flight either.
 
 Event loop only: one gate per served stage, touched by its handlers.
 """
