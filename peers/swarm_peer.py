@@ -162,6 +162,7 @@ async def run_peer(
         checkpoint_every=args.checkpoint_every,
         reachable=args.reachable,
         maddrs=announceable(maddrs) if args.reachable else (),  # nobody can dial an unreachable peer
+        max_memory=args.max_memory,
     )
     training = TrainingOptions(
         enabled=args.trainer,

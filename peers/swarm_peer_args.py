@@ -8,8 +8,10 @@ from pathlib import Path
 
 from peers import runtime
 from swarm import __version__
+from swarm.capacity.budget import parse_memory
 from swarm.client.checks import CHECK_FRACTION
 from swarm.dht.records import MAX_THROUGHPUT
+from swarm.errors import CapacityError
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
 
 EXAMPLES = """\
@@ -24,8 +26,11 @@ examples:
   swarm-peer --join /ip4/203.0.113.7/tcp/31337/p2p/QmXhR...
       join through any running peer; it hands out the swarm's manifest
   swarm-peer --join my-swarm.json --stage 1 --no-trainer --device cuda
-  swarm-peer --join my-swarm.json --trainer-only
       serve stage 1 on the GPU, without running a trainer (a pinned peer never moves)
+  swarm-peer --join my-swarm.json --trainer-only
+      train without serving a stage (a machine whose memory holds none)
+  swarm-peer --join my-swarm.json --max-memory 6GB
+      leave the rest of the GPU to others: serve only a stage that fits in 6 GB (swarm-plan shows what fits)
   swarm-peer --join my-swarm.json --throughput eval --bandwidth 50
       measure compute throughput again (not from the cache) and take the link as 50 Mbit/s
   swarm-peer --join my-swarm.json --checkpoint-dir /data/ckpt --checkpoint-every 60
@@ -151,6 +156,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--data", default=None, metavar="PATH", help="train on this text file or folder instead")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="default: auto")
+    parser.add_argument(
+        "--max-memory",
+        type=_memory,
+        default=None,
+        metavar="SIZE",
+        help="use at most this much GPU memory (RAM on a CPU), e.g. 6GB on a machine you share (default: what is "
+        "free); the peer serves only stages that fit, and says so if none does",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: never)")
     parser.add_argument("--status-every", type=float, default=10.0, help="print a status line this often (seconds)")
@@ -212,3 +225,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--metrics-host needs --metrics-port (metrics are off without it)")
     args.metrics_host = args.metrics_host or "127.0.0.1"
     return args
+
+
+def _memory(text: str) -> int:
+    try:
+        return parse_memory(text)
+    except CapacityError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e

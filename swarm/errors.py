@@ -131,6 +131,11 @@ class BalancingError(SwarmError):
     one stage."""
 
 
+class CapacityError(SwarmError):
+    """A peer cannot hold what it was asked to serve (the message has the numbers and what to do), or a memory
+    size or a machine description (--max-memory, --expect) cannot be read."""
+
+
 class EmulatedLinkError(SwarmError):
     """An emulated link (swarm/network/emulated_links.py) was given a spec it cannot parse, or a name or port
     that is taken or invalid."""

@@ -17,6 +17,12 @@ A peer that fails or times out is banned for BASE_BAN seconds, doubling with eac
 MAX_BAN, and for at least WASTE_FACTOR times the seconds its failed call kept the caller waiting (a peer that
 never answers, so that it costs at most 1 / (1 + WASTE_FACTOR) of the caller's time); a success clears its record
 of failures.
+
+What a trainer timed of a peer long ago is no longer evidence: a peer left out of REPROBE_AFTER choices in a row
+(one slow call, during an averaging round's pause say, and a faster replica took all the work since) gets the
+next choice (the next route goes through it), and its new timings replace the old ones, transfers to and from it
+included. Without that, one replica can capture a trainer's whole traffic for good, and the stage's other
+replicas, idle, have nothing to average (a flaky test showed it: tests/test_adversaries.py).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ BASE_BAN = 5.0
 MAX_BAN = 60.0
 WASTE_FACTOR = 4.0  # a ban lasts at least this many times the wait a failed call cost (a black hole: 20% at most)
 MIN_THROUGHPUT = 1e-3  # a peer announcing 0 samples/s is still routable, as a very slow one
+REPROBE_AFTER = 32  # choices that left a timed peer out in a row, after which it counts as untimed (tried again)
 
 
 def online_peers(announcements: Sequence[Announcement], now: float) -> list[Announcement]:
@@ -52,6 +59,14 @@ class PeerRecord:
     failures: int = 0  # consecutive failures
     banned_until: float = 0.0
     convicted: bool = False  # caught computing wrong results (client/checks.py): a success does not lift it
+    passed_over: int = 0  # choices in a row that left it out (see REPROBE_AFTER)
+    retrying: bool = False  # chosen again after REPROBE_AFTER choices without it: its next timing replaces the old
+
+    def forget_old_timings(self) -> None:
+        """Before a new timing of a peer tried again: the old ones are not blended in, it is taken as it is."""
+        if self.retrying:
+            self.seconds_per_sample = self.compute_per_sample = None
+            self.retrying = False
 
 
 class Router:
@@ -72,14 +87,29 @@ class Router:
         """The route (one announcement per stage, in order) with the least expected time for `samples` samples.
         It ends before the first stage with no allowed peer (a hop chooses there itself); [] if stage 0 has none.
         Ties are broken at random."""
-        best: dict[str, tuple[float, list[Announcement]]] = {ORIGIN: (0.0, [])}
-        ends: dict[str, Announcement | None] = {ORIGIN: None}
+        allowed_by_stage: list[list[Announcement]] = []
         for index, candidates in enumerate(stages):
             exclude = exclude_first if index == 0 else ()
             allowed = [a for a in candidates if a.peer_id not in exclude and not self.is_banned(a.peer_id, now)]
             if not allowed:
                 break
             rng.shuffle(allowed)  # ties go to whichever comes first
+            allowed_by_stage.append(allowed)
+        probe = self._due_for_probe([a for allowed in allowed_by_stage for a in allowed])
+        if probe is not None:  # this route goes through it, to time it again
+            allowed_by_stage = [[probe] if probe in allowed else allowed for allowed in allowed_by_stage]
+        route = self._least_time_route(allowed_by_stage, samples, origin)
+        if route:
+            self._passed_over([a for candidates in stages for a in candidates], route)
+        return route
+
+    def _least_time_route(
+        self, allowed_by_stage: list[list[Announcement]], samples: int, origin: Coordinate | None
+    ) -> list[Announcement]:
+        """The exact shortest path through the stages' allowed peers (node times plus transfer times)."""
+        best: dict[str, tuple[float, list[Announcement]]] = {ORIGIN: (0.0, [])}
+        ends: dict[str, Announcement | None] = {ORIGIN: None}
+        for allowed in allowed_by_stage:
             timed = [c for a in allowed if (r := self.peers.get(a.peer_id)) and (c := self._compute(r)) is not None]
             fastest = min(timed) if timed else None
             step: dict[str, tuple[float, list[Announcement]]] = {}
@@ -96,6 +126,24 @@ class Router:
         if not any(path for _, path in best.values()):
             return []
         return min(best.values(), key=lambda option: option[0])[1]
+
+    def _due_for_probe(self, allowed: Sequence[Announcement]) -> Announcement | None:
+        """The allowed peer left out longest, once that is REPROBE_AFTER choices or more; else None."""
+        due = [(record.passed_over, a) for a in allowed if (record := self.peers.get(a.peer_id)) is not None]
+        due = [(passed, a) for passed, a in due if passed >= REPROBE_AFTER]
+        return max(due, key=lambda item: item[0])[1] if due else None
+
+    def _passed_over(self, candidates: Sequence[Announcement], chosen: Collection[Announcement]) -> None:
+        chosen_ids = {a.peer_id for a in chosen}
+        for ann in candidates:
+            record = self.peers.get(ann.peer_id)
+            if record is None:
+                continue
+            if ann.peer_id not in chosen_ids:
+                record.passed_over += 1
+            else:
+                record.retrying = record.retrying or record.passed_over >= REPROBE_AFTER
+                record.passed_over = 0
 
     def _compute(self, record: PeerRecord) -> float | None:
         return record.compute_per_sample if self.network_aware else record.seconds_per_sample
@@ -129,8 +177,11 @@ class Router:
     def observed_hop(self, source: str, peer_id: str, samples: int, compute: float, transfer: float) -> None:
         """A reply's timing of one hop: the peer's compute, and the transfer to it from `source` and back."""
         record = self.record(peer_id)
-        record.compute_per_sample = _ema(record.compute_per_sample, max(compute, 1e-6) / max(samples, 1))
         key = (source, peer_id)
+        if record.retrying:  # tried again after its timings grew old: the transfers to and from it are as old
+            self.transfers = {k: v for k, v in self.transfers.items() if peer_id not in k}
+        record.forget_old_timings()
+        record.compute_per_sample = _ema(record.compute_per_sample, max(compute, 1e-6) / max(samples, 1))
         self.transfers[key] = _ema(self.transfers.get(key), transfer)
         self.observed(peer_id, samples, compute + transfer)
 
@@ -150,6 +201,10 @@ class Router:
         allowed = [a for a in candidates if a.peer_id not in exclude and not self.is_banned(a.peer_id, now)]
         if not allowed:
             return None
+        probe = self._due_for_probe(allowed)
+        if probe is not None:
+            self._passed_over(allowed, [probe])
+            return probe
         timed = [r.seconds_per_sample for a in allowed if (r := self.peers.get(a.peer_id)) and r.seconds_per_sample]
         fastest_known = min(timed) if timed else None
         best: list[Announcement] = []
@@ -160,7 +215,9 @@ class Router:
                 best, best_time = [ann], expected
             elif expected <= best_time * (1 + 1e-9):
                 best.append(ann)
-        return rng.choice(best)
+        chosen = rng.choice(best)
+        self._passed_over(allowed, [chosen])
+        return chosen
 
     def expected_time(self, ann: Announcement, samples: int, fastest_known: float | None) -> float:
         record = self.peers.get(ann.peer_id) or PeerRecord()
@@ -179,6 +236,7 @@ class Router:
     def observed(self, peer_id: str, samples: int, seconds: float) -> None:
         """A call of `samples` samples to this peer succeeded in `seconds`."""
         record = self.record(peer_id)
+        record.forget_old_timings()
         record.seconds_per_sample = _ema(record.seconds_per_sample, max(seconds, 1e-6) / max(samples, 1))
         record.failures = 0
 

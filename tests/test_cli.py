@@ -70,8 +70,9 @@ def test_help_shows_examples(capsys):
         ({}, ["--stage", "7"], "--stage 7", False),
         ({}, ["--host-maddrs", "/ip4/not-an-ip/tcp/0"], "--host-maddrs", True),
         ({"balancing": {"min_gain": -1}}, [], "'balancing.min_gain'", False),
+        ({}, ["--max-memory", "50MB"], "but this peer has", True),
     ],
-    ids=["missing-manifest", "bad-field", "stage-out-of-range", "bad-host-maddr", "bad-balancing"],
+    ids=["missing-manifest", "bad-field", "stage-out-of-range", "bad-host-maddr", "bad-balancing", "no-stage-fits"],
 )
 def test_bad_input_gets_a_clear_error(tmp_path, capsys, manifest, flags, expected, process):
     """A manifest that is missing or bad, or a stage it does not have, is refused before anything starts: in this
@@ -114,6 +115,7 @@ def test_bad_input_gets_a_clear_error(tmp_path, capsys, manifest, flags, expecte
         ("peers.swarm_peer", ["--metrics-port", "70000"], "--metrics-port must be a port number"),
         ("peers.swarm_peer", ["--trainer-only", "--stage", "0"], "--trainer-only trains and serves no stage"),
         ("peers.swarm_peer", ["--trainer-only", "--no-trainer"], "--trainer-only trains and serves no stage"),
+        ("peers.swarm_peer", ["--max-memory", "lots"], "cannot read 'lots' as an amount of memory"),
         ("peers.swarm_demo", ["--peers", "0"], "--peers must be at least 1"),
         ("peers.swarm_demo", ["--duration", "-5"], "--duration must be positive"),
         ("peers.swarm_demo", ["--peers", "1"], "each needs a peer"),

@@ -7,7 +7,7 @@ import dataclasses
 import random
 
 from swarm.dht.records import Announcement, TrainerReport, announceable, parse_announcement, parse_trainer_report
-from swarm.routing import BASE_BAN, MAX_BAN, WASTE_FACTOR, Router, online_peers
+from swarm.routing import BASE_BAN, MAX_BAN, REPROBE_AFTER, WASTE_FACTOR, Router, online_peers
 
 
 def ann(peer_id: str, throughput: float = 10.0, state: str = "online", expiration: float = 100.0) -> Announcement:
@@ -45,6 +45,36 @@ def test_untried_peers_are_tried_early():
     router.started("known", 8)
     # the new peer is assumed as fast as the fastest known one, and has nothing outstanding
     assert router.choose([ann("known"), ann("new", throughput=0.001)], 8, now=0.0, rng=rng).peer_id == "new"
+
+
+def test_a_replica_timed_slow_once_is_tried_again_and_its_new_timing_replaces_the_old():
+    """One slow call (a replica paused by an averaging round) must not leave it out for good: after REPROBE_AFTER
+    choices without it, it is tried again, and what it does then is what counts."""
+    router, rng = Router(), random.Random(0)
+    router.observed("paused", 8, 8.0)  # 1 s per sample: timed during a pause
+    router.observed("steady", 8, 0.8)
+    peers = [ann("paused"), ann("steady")]
+    picks = [router.choose(peers, 8, now=0.0, rng=rng).peer_id for _ in range(REPROBE_AFTER + 8)]
+    assert picks[:REPROBE_AFTER] == ["steady"] * REPROBE_AFTER  # nothing outstanding: the faster one every time
+    assert picks[REPROBE_AFTER:].count("paused") == 1  # then tried again, once until its new timing comes
+    router.observed("paused", 8, 0.4)  # it is fast now: the old 1 s per sample is not blended in
+    assert router.peers["paused"].seconds_per_sample == 0.05
+    assert router.choose(peers, 8, now=0.0, rng=rng).peer_id == "paused"
+
+
+def test_a_route_tries_again_a_replica_it_left_out_for_long():
+    router, rng = Router(), random.Random(0)
+    stages = [[ann("paused"), ann("steady")], [ann("last")]]
+    router.observed_hop("", "paused", 8, compute=0.8, transfer=7.2)  # the pause counted as the transfer to it
+    router.observed_hop("", "steady", 8, compute=0.8, transfer=0.0)
+    router.observed_hop("paused", "last", 8, compute=0.8, transfer=9.0)  # and from it onwards
+    router.observed_hop("steady", "last", 8, compute=0.8, transfer=0.0)
+    firsts = [router.choose_route(stages, 8, 0.0, rng)[0].peer_id for _ in range(REPROBE_AFTER + 8)]
+    assert firsts[:REPROBE_AFTER] == ["steady"] * REPROBE_AFTER and firsts[REPROBE_AFTER] == "paused"
+    router.observed_hop("", "paused", 8, compute=0.4, transfer=0.0)  # its new timings replace the old ones
+    router.observed_hop("paused", "last", 8, compute=0.8, transfer=0.1)
+    assert router.peers["paused"].compute_per_sample == 0.05 and router.transfers[("paused", "last")] == 0.1
+    assert router.choose_route(stages, 8, 0.0, rng)[0].peer_id == "paused"
 
 
 def test_with_no_observation_announced_throughput_decides_and_ties_are_random():

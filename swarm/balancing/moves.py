@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,16 +75,24 @@ def bottleneck(totals: Sequence[float]) -> float:
 
 
 def choose_stage(
-    peers: Sequence[PeerLoad], num_stages: int, rng: random.Random, exclude_peer: str | None = None
+    peers: Sequence[PeerLoad],
+    num_stages: int,
+    rng: random.Random,
+    exclude_peer: str | None = None,
+    allowed: Collection[int] | None = None,
 ) -> int:
-    """The stage with the lowest total, ties broken at random with rng.
+    """The stage with the lowest total among `allowed` (default: all; a peer's memory may hold only some),
+    ties broken at random with rng.
 
     exclude_peer's own record is left out, so a peer re-checking its choice does not count itself.
     """
     totals = stage_totals([p for p in peers if p.peer_id != exclude_peer], num_stages)
-    lowest = min(totals)
+    stages = [stage for stage in range(num_stages) if allowed is None or stage in allowed]
+    if not stages:
+        raise BalancingError("no stage is allowed: the peer can hold none of them")
+    lowest = min(totals[stage] for stage in stages)
     # a relative tolerance: the same totals summed in another order may differ in the last bits
-    tied = [stage for stage, total in enumerate(totals) if total <= lowest + 1e-9 * max(lowest, 1.0)]
+    tied = [stage for stage in stages if totals[stage] <= lowest + 1e-9 * max(lowest, 1.0)]
     return rng.choice(tied)
 
 

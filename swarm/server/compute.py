@@ -84,6 +84,7 @@ class StageCompute:
         model: StageModel,
         device: torch.device,
         simulated: SimulatedSpeed | None = None,
+        kept_microbatches: int | None = None,
     ):
         self.manifest, self.stage, self.device = manifest, stage, device
         self.model = model.to(device)
@@ -103,7 +104,11 @@ class StageCompute:
         self._stash: list[torch.Tensor] = []  # a copy of the current weights that optimizer steps never modify
         self._stash_version = -1
         self._apply_before: float | None = None  # of the request being processed (see process)
-        self._max_cached = max(8, ACTIVATION_CACHE_BYTES // _activation_bytes_estimate(manifest, stage))
+        # forwards whose activations are kept for their backward (the oldest go first; their backward recomputes):
+        # as many as fit beside the stage in the peer's memory (capacity/costs.py), else ACTIVATION_CACHE_BYTES' worth
+        self._max_cached = kept_microbatches or max(
+            8, ACTIVATION_CACHE_BYTES // _activation_bytes_estimate(manifest, stage)
+        )
         self._ledger: OrderedDict[str, float] = OrderedDict()  # forwarded microbatches taken: id -> when it expires
         self._replies: OrderedDict[str, list[torch.Tensor]] = OrderedDict()  # applied ones: id -> their reply
         self._reply_bytes = 0

@@ -8,7 +8,8 @@ The decisions are swarm/balancing/moves.py's pure functions over the peers' anno
 around them: it reads the DHT, asks server/measurement.py for throughput and server/takeover.py for the stage's
 state, and switches from one StageServer to the next. The order of a join and of a move (a move downloads the
 target's state before it leaves the old stage, and is called off if it cannot): docs/ARCHITECTURE.md,
-"One peer" and "Balancing".
+"One peer" and "Balancing". A peer serves only stages that fit in its memory (swarm/capacity/): it measures it once,
+at start, and keeps the activations of as many microbatches as fit beside the stage.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from hivemind.utils import get_dht_time
 
 from swarm.architectures.model import build_stage
 from swarm.balancing.moves import PeerLoad, choose_stage, peer_loads, should_move, stage_totals
+from swarm.capacity.budget import MemoryBudget, check_fits, usable_budget
+from swarm.capacity.costs import MemorySettings, kept_microbatches, longest_span
 from swarm.dht.records import PeerState
 from swarm.errors import BalancingError, ManifestError, PeerStartError, SwarmError
 from swarm.events import Event, EventKind, OnEvent, ignore
@@ -55,21 +58,26 @@ class Rebalancer:
         self.rng = random.Random()
         self.server: StageServer | None = None
         self.moves = 0
+        self.memory = MemorySettings(cuda=context.device.type == "cuda")
+        self.budget: MemoryBudget | None = None  # measured at start
+        self.fitting: list[int] = []  # the stages this peer's memory holds
 
     # -------------------------------------------------------------------------------------------- join
 
     async def start(self) -> StageServer:
-        """Choose a stage (or take the pinned one), take over its state, and serve it."""
+        """Choose a stage (or take the pinned one), take over its state, and serve it. Raises CapacityError if this
+        peer's memory holds no stage (or not the pinned one)."""
+        self._measure_memory()
         if self.options.stage is not None:
             stage = self.options.stage
         else:
             await asyncio.sleep(self.rng.uniform(0, JOIN_DELAY))
-            stage = choose_stage(await self._loads(), self.manifest.num_stages, self.rng, exclude_peer=self.peer_id)
+            stage = self._choose(await self._loads())
         server = await self._prepare(stage)  # measuring takes a while: peers that started with us announce meanwhile
         if self.options.stage is None:
             loads = await self._loads()
             if not self._is_bottleneck(loads, stage):
-                stage = choose_stage(loads, self.manifest.num_stages, self.rng, exclude_peer=self.peer_id)
+                stage = self._choose(loads)
                 logger.info(f"at a second look another stage is the bottleneck; taking stage {stage}")
                 server = await self._prepare(stage)
         await server.join(self.context.dht, self.context.p2p)
@@ -83,6 +91,19 @@ class Rebalancer:
         self._switch_to(server)
         return server
 
+    def _measure_memory(self) -> None:
+        """The memory this peer may use, and the stages that fit in it; refuses in one line if none does."""
+        manifest, device = self.manifest, self.context.device
+        self.budget = budget = usable_budget(device, self.options.max_memory)
+        self.fitting = [s for s in range(manifest.num_stages) if longest_span(manifest, s, budget.usable, self.memory)]
+        if self.options.stage is not None or not self.fitting:  # the pinned stage, or the cheapest one: refused
+            cheapest = self.options.stage if self.options.stage is not None else min(1, manifest.num_stages - 1)
+            check_fits(manifest, cheapest, budget, self.memory)
+        logger.info(f"memory: {budget.describe()}; stages that fit: {self.fitting}")
+
+    def _choose(self, loads: list[PeerLoad]) -> int:
+        return choose_stage(loads, self.manifest.num_stages, self.rng, exclude_peer=self.peer_id, allowed=self.fitting)
+
     def _is_bottleneck(self, loads: list[PeerLoad], stage: int) -> bool:
         others = [load for load in loads if load.peer_id != self.peer_id]
         totals = stage_totals(others, self.manifest.num_stages)
@@ -91,6 +112,9 @@ class Rebalancer:
     async def _prepare(self, stage: int) -> StageServer:
         """A server for `stage` with its seed-initialised model and measured throughput; not yet announced."""
         context = self.context
+        kept = None
+        if self.budget is not None:
+            kept = kept_microbatches(self.manifest, stage, stage + 1, self.budget.usable, self.memory)
         model = build_stage(self.manifest, stage).to(context.device)
         throughput = await self.meter.measure(stage, model)
         return StageServer(
@@ -106,6 +130,7 @@ class Rebalancer:
             traffic=context.traffic,
             on_event=self.on_event,
             position=context.position,
+            kept_microbatches=kept,
         )
 
     # ---------------------------------------------------------------------------------------- moves
@@ -144,7 +169,7 @@ class Rebalancer:
         target = should_move(
             self.peer_id, await self._loads(force=False), self.manifest.num_stages, self.manifest.balancing.min_gain
         )
-        if target is None:
+        if target is None or target not in self.fitting:  # a stage its memory cannot hold is not a move
             return None
         await asyncio.sleep(self.rng.uniform(0, JOIN_DELAY))
         again = should_move(

@@ -59,6 +59,7 @@ class ServingOptions:
     checkpoint_every: float = 300.0  # --checkpoint-every (seconds; 0: only on a clean exit)
     reachable: bool = True  # others can dial this peer (server/reachability.py)
     maddrs: tuple[str, ...] = ()  # its addresses, announced
+    max_memory: int | None = None  # --max-memory: bytes this peer may use at most (capacity/budget.py)
 
 
 class StageServer:
@@ -77,6 +78,7 @@ class StageServer:
         traffic: Traffic | None = None,
         on_event: OnEvent = ignore,
         position: Vivaldi | None = None,
+        kept_microbatches: int | None = None,  # whose activations fit in memory (capacity/costs.py); None: default
     ):
         self.manifest, self.stage, self.device, self.peer_id = manifest, stage, device, peer_id
         self.throughput, self.options, self.on_event = throughput, options, on_event
@@ -84,7 +86,7 @@ class StageServer:
         self.traffic = traffic if traffic is not None else Traffic()
         self.layers = model.layers
         self.parameter_count = sum(p.numel() for p in model.parameters())
-        self.worker = StageWorker(StageCompute(manifest, stage, model, device, simulated))
+        self.worker = StageWorker(StageCompute(manifest, stage, model, device, simulated, kept_microbatches))
         self.admission = Admission(manifest, peer_id)
         self.state = PeerState.JOINING
         slots = manifest.training.microbatches_per_step if manifest.training.pipelining == "flush" else 0

@@ -1,0 +1,107 @@
+"""Where a peer serves its span of stages: pure functions over the spans and throughputs peers announce.
+
+A peer serves a contiguous span of stages, as long as its memory allows (swarm/capacity/costs.py, longest_span:
+`lengths[start]` stages from each start). Serving the longest span that fits is never worse: a compute-bound peer
+does the same work per second whatever its length (a microbatch through twice the blocks takes twice as long), and
+a network-bound one crosses one link per span, so longer spans carry more blocks per byte sent, and routes take
+fewer hops. Where it goes is the choice: the start whose span leaves the swarm's per-stage throughput (`coverage`:
+the samples per second all peers serving a stage can take) best, compared lowest first (the bottleneck, then the
+next weakest stage, ...), as Petals' block_selection places a server's blocks where throughput is lowest.
+
+A peer's throughput over a span: min(compute / blocks, network): `SpanPeer.rate`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from swarm.errors import BalancingError
+
+
+@dataclass(frozen=True)
+class SpanPeer:
+    """What a peer offers: samples per second through one block (`compute`) and over its link (`network`, per hop,
+    whatever the span's length), and the stages it serves (start, end), if any yet."""
+
+    peer_id: str
+    compute: float
+    network: float
+    start: int = 0
+    end: int = 0
+
+    def rate(self, blocks: int) -> float:
+        """Samples per second through a span of `blocks` transformer blocks."""
+        return min(self.compute / max(blocks, 1), self.network)
+
+
+def coverage(peers: Sequence[SpanPeer], blocks_per_stage: Sequence[int]) -> list[float]:
+    """Samples per second each stage can take: the sum of the rates of the peers whose spans hold it."""
+    totals = [0.0] * len(blocks_per_stage)
+    for peer in peers:
+        if not 0 <= peer.start < peer.end <= len(blocks_per_stage):
+            continue  # not serving (yet), or a span outside the model
+        rate = peer.rate(sum(blocks_per_stage[peer.start : peer.end]))
+        for stage in range(peer.start, peer.end):
+            totals[stage] += rate
+    return totals
+
+
+def _score(totals: list[float], peer: SpanPeer, start: int, end: int, blocks: Sequence[int]) -> list[float]:
+    added = list(totals)
+    rate = peer.rate(sum(blocks[start:end]))
+    for stage in range(start, end):
+        added[stage] += rate
+    return sorted(added)
+
+
+def choose_span(
+    peer: SpanPeer,
+    others: Sequence[SpanPeer],
+    lengths: Sequence[int],
+    blocks_per_stage: Sequence[int],
+    rng: random.Random,
+) -> tuple[int, int] | None:
+    """The span (start, end) where `peer`, serving as many stages as fit from there (`lengths[start]`), leaves the
+    swarm's coverage best (lowest stages first); None if no stage fits at all. Ties go at random."""
+    if len(lengths) != len(blocks_per_stage):
+        raise BalancingError(f"{len(lengths)} span lengths for {len(blocks_per_stage)} stages")
+    if peer.compute < 0 or peer.network < 0:
+        raise BalancingError(f"peer {peer.peer_id} announces a negative throughput")
+    totals = coverage([o for o in others if o.peer_id != peer.peer_id], blocks_per_stage)
+    options = [(start, start + length) for start, length in enumerate(lengths) if length > 0]
+    if not options:
+        return None
+    scored = [(_score(totals, peer, start, end, blocks_per_stage), (start, end)) for start, end in options]
+    best = max(score for score, _ in scored)
+    return rng.choice([span for score, span in scored if score == best])
+
+
+def better_span(
+    peer: SpanPeer,
+    others: Sequence[SpanPeer],
+    lengths: Sequence[int],
+    blocks_per_stage: Sequence[int],
+    rng: random.Random,
+    min_gain: float = 0.1,
+) -> tuple[int, int] | None:
+    """Where `peer` (serving peer.start..peer.end) should move: a span that raises the swarm's bottleneck by more
+    than `min_gain` of it, or None (stay). As moves.should_move for whole stages: moves cost a state download, so
+    only a clear gain is worth one."""
+    others = [o for o in others if o.peer_id != peer.peer_id]
+    now = min(coverage([*others, peer], blocks_per_stage), default=0.0)
+    start, end = choose_span(peer, others, lengths, blocks_per_stage, rng) or (peer.start, peer.end)
+    if (start, end) == (peer.start, peer.end):
+        return None
+    moved = SpanPeer(peer.peer_id, peer.compute, peer.network, start, end)
+    after = min(coverage([*others, moved], blocks_per_stage), default=0.0)
+    return (start, end) if after > now * (1 + min_gain) else None
+
+
+def upper_bound(peers: Sequence[SpanPeer], longest: Sequence[int], blocks_per_stage: Sequence[int]) -> float:
+    """A bottleneck no placement exceeds: each peer adds at most min(compute, network x its longest span's blocks)
+    block-samples per second in all, and the stages share them; a stage of b blocks takes b times a
+    one-block stage's work. `longest[i]`: the most blocks peer i can hold."""
+    total = sum(min(p.compute, p.network * max(n, 0)) for p, n in zip(peers, longest))
+    return total / max(sum(blocks_per_stage), 1)
