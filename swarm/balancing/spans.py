@@ -86,17 +86,24 @@ def better_span(
     rng: random.Random,
     min_gain: float = 0.1,
 ) -> tuple[int, int] | None:
-    """Where `peer` (serving peer.start..peer.end) should move: a span that raises the swarm's bottleneck by more
-    than `min_gain` of it, or None (stay). As moves.should_move for whole stages: moves cost a state download, so
-    only a clear gain is worth one."""
+    """Where `peer` (serving peer.start..peer.end) should move, or None (stay). It moves when the swarm's sorted
+    coverage rises by more than `min_gain` of the bottleneck at the first stage that changes, weakest first: the
+    bottleneck itself, or, where several stages tie near it (one move cannot lift them all), the weakest stage the
+    move helps without lowering a weaker one. Each move raises that sorted vector, so moves made one after another
+    never cycle; min_gain is the hysteresis that keeps noise and stale records from moving peers back and forth
+    (a move costs a state download)."""
     others = [o for o in others if o.peer_id != peer.peer_id]
-    now = min(coverage([*others, peer], blocks_per_stage), default=0.0)
+    now = sorted(coverage([*others, peer], blocks_per_stage))
     start, end = choose_span(peer, others, lengths, blocks_per_stage, rng) or (peer.start, peer.end)
     if (start, end) == (peer.start, peer.end):
         return None
     moved = SpanPeer(peer.peer_id, peer.compute, peer.network, start, end)
-    after = min(coverage([*others, moved], blocks_per_stage), default=0.0)
-    return (start, end) if after > now * (1 + min_gain) else None
+    after = sorted(coverage([*others, moved], blocks_per_stage))
+    margin = min_gain * max(now[0] if now else 0.0, 1e-12)
+    for before, later in zip(now, after):
+        if abs(later - before) > 1e-9 * max(before, 1.0):
+            return (start, end) if later > before + margin else None
+    return None
 
 
 def upper_bound(peers: Sequence[SpanPeer], longest: Sequence[int], blocks_per_stage: Sequence[int]) -> float:
