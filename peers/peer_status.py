@@ -17,6 +17,7 @@ from rich.text import Text
 
 from peers import runtime
 from swarm import __version__
+from swarm.capacity.budget import format_memory
 from swarm.dht import joining, node
 from swarm.errors import SwarmError
 from swarm.manifests.manifest import Manifest
@@ -233,7 +234,9 @@ def stage_table(document: dict[str, Any]) -> Table:
 
 def peers_table(document: dict[str, Any]) -> Table:
     table = Table(title="peers", title_justify="left")
-    columns = ("peer", "name", "stage", "state", "speed", "delivered", "attested", "claimed", "queue", "uptime", "seen")
+    columns = (
+        "peer", "name", "stages", "state", "speed", "delivered", "attested", "claimed", "queue", "memory", "uptime", "seen"
+    )  # fmt: skip
     numbers = ("speed", "delivered", "attested", "claimed", "queue")
     for column in (*columns, "device", "version", "reachable"):
         table.add_column(column, justify="right" if column in numbers else "left")
@@ -241,13 +244,14 @@ def peers_table(document: dict[str, Any]) -> Table:
         table.add_row(  # Text(): strings from the network are never read as rich markup
             Text(p["short_id"]),
             Text(p["public_name"] or "-"),
-            str(p["stage"]),
+            _stages(p.get("span") or [p["stage"], p["stage"] + 1]),
             Text(p["status"], style=STATUS_STYLES.get(p["status"], "default")),
             f"{p['throughput']:.1f}/s",
             f"{p['delivered_throughput']:.1f}/s",
             _count(p["attested_samples"]),  # what trainers vouch for in their signed reports
             _count(p["samples_served"]),  # what the peer says of itself
             str(p["outstanding"]),
+            _memory(p.get("memory_used", 0), p.get("memory_available", 0)),
             _duration(p["uptime"]),
             f"{_duration(p['last_seen'])} ago",
             Text(p["device"]),
@@ -278,6 +282,17 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds // 60}m"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _memory(used: int, available: int) -> str:
+    """'5.20 GiB of 7.20 GiB': what the peer holds of what it may use; '-' from a peer that does not say."""
+    return f"{format_memory(used)} of {format_memory(available)}" if available else "-"
+
+
+def _stages(span: list[int]) -> str:
+    """'3', or '3-7' for a peer serving a span."""
+    start, end = span
+    return str(start) if end - start == 1 else f"{start}-{end - 1}"
 
 
 if __name__ == "__main__":

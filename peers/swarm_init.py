@@ -35,6 +35,8 @@ examples:
       a tiny model (0.8M parameters, 2 stages) trained on Python's standard library: try it on CPUs
   swarm-init my-swarm --preset 1b --data /data/corpus --out my-swarm.json
       about 1B parameters in 4 stages for GPUs, trained on the text files under /data/corpus
+  swarm-init my-swarm --preset llama-1b --spans --tokenizer prepared/tokenizer.json
+      the 1.1B Llama with one block a stage: each peer serves as many as its GPU memory holds (8 GB and up)
   swarm-init my-swarm --preset small --stages 4 --learning-rate 5e-4 --averaging-mode diloco
       a preset with some settings changed
   swarm-init my-swarm --private
@@ -65,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     presets = ", ".join(f"{name} ({p.description.split(';')[0]})" for name, p in PRESETS.items())
     parser.add_argument("--preset", default="tiny", choices=list(PRESETS), help=f"model size: {presets}")
     parser.add_argument("--stages", type=int, default=None, help="number of pipeline stages (default: the preset's)")
+    parser.add_argument(
+        "--spans",
+        action="store_true",
+        help="peers serve as many consecutive stages as their memory holds, so that GPUs of any size take part; "
+        "one block a stage unless --stages says otherwise (swarm-plan shows what each GPU would serve)",
+    )
     parser.add_argument("--out", "-o", default=None, metavar="PATH", help="where to write it (default: NAME.json)")
     parser.add_argument("--force", action="store_true", help="overwrite PATH (and the secret file) if it exists")
     parser.add_argument(
@@ -208,10 +216,14 @@ def main(argv: list[str] | None = None) -> int:
             stages=args.stages,
             force=args.force,
         )
+        stages = args.stages
+        if args.spans and stages is None:  # one block a stage: spans of any length
+            stages = sources.model.get("depth") or PRESETS[args.preset].model["depth"]
         manifest = new_manifest(
             args.name,
             args.preset,
-            stages=args.stages,
+            stages=stages,
+            balancing={"spans": True} if args.spans else None,
             model=sources.model,
             training=_given(
                 args,

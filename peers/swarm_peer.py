@@ -118,6 +118,15 @@ def decide_reachability(
 def check_stage_flag(args: argparse.Namespace, manifest: Manifest) -> None:
     if args.stage is not None and not 0 <= args.stage < manifest.num_stages:
         raise PeerStartError(f"--stage {args.stage}: the swarm has stages 0..{manifest.num_stages - 1}")
+    if args.span != 1:
+        if not manifest.balancing.spans:
+            raise PeerStartError(
+                "--span: this swarm's peers serve one stage each (its manifest has no balancing.spans)"
+            )
+        if args.stage is None or not 1 <= args.span <= manifest.num_stages - args.stage:
+            raise PeerStartError(
+                f"--span N goes with --stage S and pins stages S..S+N-1 within 0..{manifest.num_stages - 1}"
+            )
 
 
 def write_published_manifest(args: argparse.Namespace, manifest: Manifest, addrs: list[str]) -> None:
@@ -163,6 +172,7 @@ async def run_peer(
         reachable=args.reachable,
         maddrs=announceable(maddrs) if args.reachable else (),  # nobody can dial an unreachable peer
         max_memory=args.max_memory,
+        span=args.span,
     )
     training = TrainingOptions(
         enabled=args.trainer,
@@ -172,12 +182,14 @@ async def run_peer(
         check_fraction=args.check_fraction,
     )
 
-    def on_switch(server: StageServer) -> None:
-        layers = server.layers
+    def on_switch(servers: list[StageServer]) -> None:
+        first, last = servers[0], servers[-1]
+        stages = f"stage {first.stage}" if len(servers) == 1 else f"stages {first.stage}-{last.stage}"
+        parameters = sum(server.parameter_count for server in servers)
         print(
-            f"serving stage {server.stage} (layers {layers.start}..{layers.stop - 1}, "
-            f"{server.parameter_count / 1e6:.2f}M parameters) on {device}, {server.throughput.serving:.1f} samples/s "
-            f"(compute {server.throughput.compute:.1f}, network {server.throughput.network:.1f})",
+            f"serving {stages} (layers {first.layers.start}..{last.layers.stop - 1}, {parameters / 1e6:.2f}M "
+            f"parameters) on {device}, {first.throughput.serving:.1f} samples/s "
+            f"(compute {first.throughput.compute:.1f}, network {first.throughput.network:.1f})",
             flush=True,
         )
 
@@ -218,6 +230,7 @@ def print_progress(snapshot: PeerSnapshot, as_json: bool, refused_records: int =
     stats, trainer_stats = snapshot.stage, snapshot.trainer  # no stage: a --trainer-only peer
     if as_json:
         status = {**stats.to_dict(), "moves": snapshot.moves} if stats is not None else {"stage": None}
+        status["span"] = list(snapshot.span) if snapshot.span is not None else None
         if trainer_stats is not None:
             status.update(trainer_stats.to_dict())
         status["refused_records"] = refused_records
@@ -226,7 +239,9 @@ def print_progress(snapshot: PeerSnapshot, as_json: bool, refused_records: int =
     if stats is None:
         line = "training only"
     else:
-        line = f"stage {stats.stage}: served {stats.samples_served} samples, {stats.optimizer_steps} optimizer steps"
+        start, end = snapshot.span or (stats.stage, stats.stage + 1)
+        stages = f"stage {start}" if end - start == 1 else f"stages {start}-{end - 1}"
+        line = f"{stages}: served {stats.samples_served} samples, {stats.optimizer_steps} optimizer steps"
     if snapshot.moves:
         line += f" ({snapshot.moves} moves)"
     if stats is not None and (stats.averaging_rounds or stats.averaging_rounds_failed):

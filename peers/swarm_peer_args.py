@@ -157,6 +157,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", default=None, metavar="PATH", help="train on this text file or folder instead")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="default: auto")
     parser.add_argument(
+        "--span",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --stage S, in a swarm with spans (balancing.spans): serve stages S to S+N-1 (default 1)",
+    )
+    parser.add_argument(
         "--max-memory",
         type=_memory,
         default=None,

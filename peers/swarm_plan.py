@@ -22,9 +22,9 @@ from swarm.manifests.presets import PRESETS, new_manifest
 
 EXAMPLES = """\
 examples:
-  swarm-plan --preset llama-1b --stages 22 --expect 10x24GB@165TF/200mbit,20x8GB@40TF/50mbit
-      the 1.1B Llama with one block a stage, on ten 24 GB cards and twenty 8 GB ones: the spans each would
-      serve, the memory each peer uses, the swarm's tokens/s and what limits it, beside fixed stages
+  swarm-plan --preset llama-1b --stages 22 --spans --expect 10x24GB@165TF/200mbit,20x8GB@40TF/50mbit
+      the 1.1B Llama with one block a stage, served in spans, on ten 24 GB cards and twenty 8 GB ones: the spans
+      each would serve, the memory each peer uses, the swarm's tokens/s and what limits it, beside fixed stages
   swarm-plan --join my-swarm.json --expect 30x12GB@50TF/40mbit --kept-microbatches 4
       a manifest you wrote (a path or a URL), on 12 GB cards whose peers keep 4 microbatches' activations
   swarm-plan --preset llama-1b --expect 8GB@40TF/50mbit --json
@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--join", metavar="MANIFEST", help="a swarm's manifest: a path or an https URL")
     source.add_argument("--preset", choices=list(PRESETS), help="a new swarm from a preset (see swarm-init)")
     parser.add_argument("--stages", type=int, default=None, help="with --preset: stages (default: the preset's)")
+    parser.add_argument(
+        "--spans", action="store_true", help="with --preset: peers serve spans of stages (balancing.spans)"
+    )
     parser.add_argument("--expect", required=True, metavar="MACHINES", help="the machines, e.g. 10x24GB@165TF/200mbit")
     parser.add_argument(
         "--kept-microbatches",
@@ -59,8 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
     args = parser.parse_args(argv)
-    if args.stages is not None and args.preset is None:
-        parser.error("--stages goes with --preset (a manifest has its own stages)")
+    if (args.stages is not None or args.spans) and args.preset is None:
+        parser.error("--stages and --spans go with --preset (a manifest has its own)")
     if not 1 <= args.kept_microbatches <= 4096:
         parser.error("--kept-microbatches must be between 1 and 4096")
     if not 0.01 <= args.mfu <= 1.0:
@@ -71,7 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        manifest = load_manifest(args.join) if args.join else new_manifest("plan", args.preset, stages=args.stages)
+        if args.join:
+            manifest = load_manifest(args.join)
+        else:
+            spans = {"spans": True} if args.spans else None
+            manifest = new_manifest("plan", args.preset, stages=args.stages, balancing=spans)
         plans = make_plans(manifest, args.expect, args.kept_microbatches, args.mfu)
     except SwarmError as e:
         print(f"swarm-plan: error: {e}", file=sys.stderr)
@@ -86,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 def make_plans(
     manifest: Manifest, expect: str, kept: int = KEPT_MICROBATCHES, mfu: float = MFU
 ) -> tuple[SwarmPlan, SwarmPlan]:
-    """The plan with spans, and the same machines on fixed stages (one stage each) to compare."""
+    """What the swarm's peers would do (spans if its manifest says so, else one stage each), and the other way to
+    compare: (spans, fixed stages)."""
     kinds = parse_expect(expect)
     settings = MemorySettings(kept_microbatches=kept)
     return (
@@ -96,12 +104,16 @@ def make_plans(
 
 
 def plans_as_dict(spans: SwarmPlan, fixed: SwarmPlan) -> dict[str, Any]:
-    fixed_dict = fixed.to_dict()
+    """The plan of what the peers would do at the top; the other way under `compare`."""
+    ours, other = (spans, fixed) if spans.manifest.balancing.spans else (fixed, spans)
+    other_dict = other.to_dict()
     return {
-        "swarm": spans.manifest.name,
-        "swarm_id": spans.manifest.swarm_id,
-        **spans.to_dict(),
-        "fixed_stages": {key: fixed_dict[key] for key in ("tokens_per_second", "bottleneck", "participation", "kinds")},
+        "swarm": ours.manifest.name,
+        "swarm_id": ours.manifest.swarm_id,
+        **ours.to_dict(),
+        "compare": {
+            key: other_dict[key] for key in ("mode", "tokens_per_second", "bottleneck", "participation", "kinds")
+        },
     }
 
 
@@ -130,9 +142,14 @@ def print_plans(spans: SwarmPlan, fixed: SwarmPlan) -> None:
         )
     console.print(table)
     for plan in (spans, fixed):
+        ours = (plan.mode == "spans") == manifest.balancing.spans
         console.print(
-            f"{plan.mode}: [bold]{plan.tokens_per_second:,.0f} tokens/s[/bold], "
+            f"{plan.mode}{' (this swarm)' if ours else ''}: [bold]{plan.tokens_per_second:,.0f} tokens/s[/bold], "
             f"{plan.participation:.0%} of the machines serve; bottleneck: {escape(plan.bottleneck())}"
+        )
+    if not manifest.balancing.spans:
+        console.print(
+            "[dim]this swarm's peers serve one stage each; spans need balancing.spans (swarm-init --spans)[/dim]"
         )
     console.print(
         "[dim]estimates: compute at the given MFU, uplinks as the only links, no averaging traffic "

@@ -160,8 +160,8 @@ class Router:
         self, source: Announcement | None, target: Announcement, samples: int, origin: Coordinate | None
     ) -> float:
         """Expected seconds to send `samples` from `source` (None: the trainer) to `target` and back."""
-        if not self.network_aware:
-            return 0.0
+        if not self.network_aware or (source is not None and source.peer_id == target.peer_id):
+            return 0.0  # latency-blind, or two stages of one peer's span: nothing crosses a link
         key = (source.peer_id if source is not None else ORIGIN, target.peer_id)
         if key in self.transfers:
             return self.transfers[key]

@@ -167,11 +167,14 @@ def test_swarm_plan_prints_json_a_user_can_read_and_refuses_bad_machines(capsys)
     from peers.swarm_plan import main
 
     expect = "10x24GB@165TF/200mbit,20x8GB@40TF/50mbit"
-    assert main(["--preset", "llama-1b", "--stages", "22", "--expect", expect, "--json"]) == 0
+    assert main(["--preset", "llama-1b", "--stages", "22", "--spans", "--expect", expect, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["tokens_per_second"] > plan["fixed_stages"]["tokens_per_second"] > 0
+    assert plan["mode"] == "spans" and plan["compare"]["mode"] == "fixed stages"
+    assert plan["tokens_per_second"] > plan["compare"]["tokens_per_second"] > 0
     assert [kind["blocks"] > 0 for kind in plan["kinds"]] == [True, True] and plan["bottleneck"]
     assert all(kind["memory_bytes"] > 0 for kind in plan["kinds"])
+    assert main(["--preset", "llama-1b", "--expect", expect, "--json"]) == 0  # no spans: one stage each
+    assert json.loads(capsys.readouterr().out)["mode"] == "fixed stages"
     assert main(["--preset", "llama-1b", "--expect", expect]) == 0
     assert "tokens/s" in capsys.readouterr().out
     assert main(["--preset", "llama-1b", "--expect", "24GB@165TF"]) == 2

@@ -39,6 +39,24 @@ def report(peer_id: str, loss: float, speed: float, samples: int = 100) -> Train
 # ------------------------------------------------------------------------------------- pure summary
 
 
+def test_a_peer_serving_a_span_counts_in_every_stage_of_it_and_shows_its_span():
+    manifest = manifest_from_dict(
+        tiny_manifest_dict(model={"depth": 4}, stages={"count": 4}, balancing={"spans": True})
+    )
+    wide = [announcement("wide", stage, throughput=5.0) for stage in range(1, 4)]  # one record a stage
+    stages = [
+        [announcement("first", 0, throughput=20.0), announcement("first", 1, throughput=20.0)],
+        *[[r] for r in wide],
+    ]
+    stages[3].append(announcement("gone", 3, state="offline"))
+    doc = swarm_health(manifest, stages, [], NOW)
+    assert [row["online_peers"] for row in doc["stages"]] == [1, 2, 1, 1] and doc["health"]["healthy"]
+    assert [row["throughput"] for row in doc["stages"]] == [20.0, 25.0, 5.0, 5.0]
+    spans = {p["peer_id"]: p["span"] for p in doc["peers"]}
+    assert spans == {"first": [0, 2], "wide": [1, 4], "gone": [3, 4]} and doc["swarm"]["peers_online"] == 2
+    assert doc["health"]["bottleneck_stage"] in (2, 3)
+
+
 def test_peer_status_online_stale_offline():
     period = MANIFEST.network.announce_period
     assert peer_status(announcement("a", 0, age=0.5), NOW, period) == ("online", 0.5)

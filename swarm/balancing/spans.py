@@ -17,6 +17,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from swarm.balancing.moves import PeerLoad
 from swarm.errors import BalancingError
 
 
@@ -31,12 +32,30 @@ class SpanPeer:
     start: int = 0
     end: int = 0
 
-    def rate(self, blocks: int) -> float:
+    def rate(self, blocks: float) -> float:
         """Samples per second through a span of `blocks` transformer blocks."""
         return min(self.compute / max(blocks, 1), self.network)
 
 
-def coverage(peers: Sequence[SpanPeer], blocks_per_stage: Sequence[int]) -> list[float]:
+def span_peers(
+    loads: Sequence[PeerLoad], blocks_per_stage: Sequence[float], exclude: str | None = None
+) -> list[SpanPeer]:
+    """The spans peers announce: a peer announces a record per stage it serves, each with its span's rate, so a
+    peer's span runs from its lowest stage to its highest (`exclude`: this peer, whose truth the caller has)."""
+    by_peer: dict[str, list[PeerLoad]] = {}
+    for load in loads:
+        if load.peer_id != exclude:
+            by_peer.setdefault(load.peer_id, []).append(load)
+    peers = []
+    for peer_id, records in by_peer.items():
+        start, end = min(r.stage for r in records), max(r.stage for r in records) + 1
+        rate = min(r.throughput for r in records)
+        blocks = sum(blocks_per_stage[start:end])
+        peers.append(SpanPeer(peer_id, rate * blocks, float("inf"), start, end))  # its rate over its blocks
+    return peers
+
+
+def coverage(peers: Sequence[SpanPeer], blocks_per_stage: Sequence[float]) -> list[float]:
     """Samples per second each stage can take: the sum of the rates of the peers whose spans hold it."""
     totals = [0.0] * len(blocks_per_stage)
     for peer in peers:
@@ -48,7 +67,7 @@ def coverage(peers: Sequence[SpanPeer], blocks_per_stage: Sequence[int]) -> list
     return totals
 
 
-def _score(totals: list[float], peer: SpanPeer, start: int, end: int, blocks: Sequence[int]) -> list[float]:
+def _score(totals: list[float], peer: SpanPeer, start: int, end: int, blocks: Sequence[float]) -> list[float]:
     added = list(totals)
     rate = peer.rate(sum(blocks[start:end]))
     for stage in range(start, end):
@@ -60,7 +79,7 @@ def choose_span(
     peer: SpanPeer,
     others: Sequence[SpanPeer],
     lengths: Sequence[int],
-    blocks_per_stage: Sequence[int],
+    blocks_per_stage: Sequence[float],
     rng: random.Random,
 ) -> tuple[int, int] | None:
     """The span (start, end) where `peer`, serving as many stages as fit from there (`lengths[start]`), leaves the
@@ -82,7 +101,7 @@ def better_span(
     peer: SpanPeer,
     others: Sequence[SpanPeer],
     lengths: Sequence[int],
-    blocks_per_stage: Sequence[int],
+    blocks_per_stage: Sequence[float],
     rng: random.Random,
     min_gain: float = 0.1,
 ) -> tuple[int, int] | None:
@@ -106,7 +125,7 @@ def better_span(
     return None
 
 
-def upper_bound(peers: Sequence[SpanPeer], longest: Sequence[int], blocks_per_stage: Sequence[int]) -> float:
+def upper_bound(peers: Sequence[SpanPeer], longest: Sequence[float], blocks_per_stage: Sequence[float]) -> float:
     """A bottleneck no placement exceeds: each peer adds at most min(compute, network x its longest span's blocks)
     block-samples per second in all, and the stages share them; a stage of b blocks takes b times a
     one-block stage's work. `longest[i]`: the most blocks peer i can hold."""

@@ -55,6 +55,11 @@ class MemoryBudget:
     usable: int
 
     @property
+    def limit(self) -> int:
+        """What this peer may use: the available memory, or the cap if lower."""
+        return self.available if self.cap is None else min(self.available, self.cap)
+
+    @property
     def cuda(self) -> bool:
         return self.device.startswith("cuda")
 
@@ -70,6 +75,17 @@ def available_memory(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     return _ram_available()
+
+
+def memory_in_use(device: torch.device) -> int:
+    """Bytes this peer holds now: reserved by torch's allocator on a GPU, or the process's resident memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_reserved(device))
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _ram_available() -> int:

@@ -101,6 +101,8 @@ class Announcement:
     # over its last gradients (swarm/server/compute.py): 0 under the step gate (training.pipelining flush)
     staleness_mean: float = 0.0
     staleness_max: int = 0
+    memory_used: int = 0  # bytes the peer holds (swarm/capacity/budget.py); 0: not announced
+    memory_available: int = 0  # bytes it may use
     reachable: bool = True  # False: others cannot dial it (NAT, firewall); it dials them (swarm/server/reachability.py)
     maddrs: tuple[str, ...] = ()  # where to dial it; an unreachable peer dials these of the others
     coordinate: Coordinate | None = None  # its network coordinate (swarm/network/coordinates.py); None: not announced
@@ -170,6 +172,8 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
             averaging_bytes_received=_count(record["averaging_bytes_received"]),
             staleness_mean=_rate(record.get("staleness_mean", 0.0)),  # optional: added to protocol 4 later
             staleness_max=_count(record.get("staleness_max", 0)),
+            memory_used=_count(record.get("memory_used", 0)),  # optional: added to protocol 7 later (spans)
+            memory_available=_count(record.get("memory_available", 0)),
             reachable=_flag(record.get("reachable", True)),  # optional: added to protocol 3 later
             maddrs=_addresses(record.get("maddrs", [])),
             coordinate=None if record.get("coordinate") is None else Coordinate.from_record(record["coordinate"]),

@@ -153,6 +153,9 @@ class NetworkConfig:
 class BalancingConfig:
     check_period: float = 10.0  # mean seconds between a peer's checks of the balance (each randomized 0.5-1.5x)
     min_gain: float = 0.1  # peers move only if that raises the swarm's bottleneck by more than this fraction
+    # each peer serves as many consecutive stages as its memory holds (a span), where the swarm is weakest; false:
+    # one stage each (docs/ARCHITECTURE.md, "Spans and memory"). Swarms made for spans have one block a stage
+    spans: bool = False
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,7 @@ class Manifest:
             "data": _without_later_defaults(self.data),
             # a public swarm's manifest does not mention the secret file (its swarm id stays as it was)
             "network": {k: v for k, v in dataclasses.asdict(self.network).items() if k != "secret_file" or v},
-            "balancing": dataclasses.asdict(self.balancing),
+            "balancing": _without_later_defaults(self.balancing),
             "averaging": dataclasses.asdict(self.averaging),
         }
         if self.pretrained.path:  # written only when set
@@ -278,6 +281,7 @@ LATER_FIELDS = {
     ),
     TrainingConfig: ("precision", "activation_checkpointing", "pipelining"),
     DataConfig: ("index_sha256", "tokenizer", "tokenizer_sha256"),
+    BalancingConfig: ("spans",),
 }
 
 

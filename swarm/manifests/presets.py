@@ -145,6 +145,7 @@ def new_manifest(
     secret_file: str | None = None,
     data: dict[str, Any] | None = None,
     pretrained: dict[str, str] | None = None,
+    balancing: dict[str, Any] | None = None,
 ) -> Manifest:
     """A validated manifest from a preset, with explicit settings (None = the preset's) laid over it."""
     if preset not in PRESETS:
@@ -168,6 +169,8 @@ def new_manifest(
         "averaging": {**base.averaging, **(averaging or {})},
         "initial_peers": list(initial_peers or []),
     }
+    if balancing:
+        raw["balancing"] = dict(balancing)
     if pretrained:
         raw["pretrained"] = dict(pretrained)
     return manifest_from_dict(raw)

@@ -161,6 +161,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
     balancing = BalancingConfig(
         check_period=b.number("check_period", minimum=1.0, maximum=86400.0),
         min_gain=b.number("min_gain", minimum=0.0, maximum=10.0),
+        spans=b.boolean("spans"),
     )
     b.no_unknown()
 

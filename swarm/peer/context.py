@@ -12,7 +12,9 @@ get the fields they use. What the parts share through it:
   announced as totals;
 - position: its network coordinate (swarm/network/coordinates.py), kept by the pinger (swarm/client/pinger.py),
   announced by its stage servers and used by its trainer's routes;
-- started: when the peer started (time.monotonic()): its uptime in announcements and metrics, across moves.
+- started: when the peer started (time.monotonic()): its uptime in announcements and metrics, across moves;
+- stages: the RPC handlers of the stages it serves (swarm/server/dispatch.py), registered once: each stage server
+  adds its service while it serves, the trainer and the hops of its span call them directly.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from hivemind.p2p import P2P
 from swarm.dht.announcement_cache import AnnouncementCache
 from swarm.manifests.manifest import Manifest
 from swarm.network.coordinates import Vivaldi
+from swarm.server.dispatch import StageDispatcher
 from swarm.watch.stats import Traffic
 
 
@@ -40,6 +43,7 @@ class PeerContext:
     peer_id: str
     device: torch.device
     view: AnnouncementCache
+    stages: StageDispatcher
     traffic: Traffic = field(default_factory=Traffic)
     position: Vivaldi = field(default_factory=Vivaldi)
     started: float = field(default_factory=time.monotonic)
@@ -48,4 +52,4 @@ class PeerContext:
     def create(cls, manifest: Manifest, dht: DHT, p2p: P2P, peer_id: str, device: torch.device) -> PeerContext:
         """A new peer's context: an empty view (read on first use), zero traffic, the starting coordinate, now."""
         view = AnnouncementCache(dht, manifest.swarm_id, manifest.num_stages, max_age=manifest.network.announce_period)
-        return cls(manifest, dht, p2p, peer_id, device, view)
+        return cls(manifest, dht, p2p, peer_id, device, view, StageDispatcher(manifest))

@@ -66,7 +66,7 @@ class Peer:
         device: torch.device,
         serving: ServingOptions,
         training: TrainingOptions = TrainingOptions(),
-        on_switch: Callable[[StageServer], None] = lambda server: None,
+        on_switch: Callable[[list[StageServer]], None] = lambda servers: None,
         on_event: OnEvent = ignore,
         *,
         peer_id: str | None = None,  # default: the DHT node's (tests without a DHT name one)
@@ -78,12 +78,7 @@ class Peer:
         self.metrics: MetricsServer | None = None
         self.data: TokenShards | None = None  # what the trainer reads
 
-        def switched(server: StageServer) -> None:
-            if self.trainer is not None:
-                self.trainer.local_server = server
-            on_switch(server)
-
-        self.rebalancer = Rebalancer(self.context, serving, on_switch=switched, on_event=on_event)
+        self.rebalancer = Rebalancer(self.context, serving, on_switch=on_switch, on_event=on_event)
         self._reachability = ReachabilityService(manifest)
         self._stop = asyncio.Event()
         self._tasks: dict[str, asyncio.Task] = {}
@@ -135,7 +130,7 @@ class Peer:
             context.p2p,
             context.peer_id,
             seed=self.training.seed,
-            local_server=self.rebalancer.server,
+            local_server=context.stages,  # the stages this peer serves, whichever they are at the time
             view=context.view,
             traffic=context.traffic,
             reachable=self.serving.reachable,
@@ -165,6 +160,7 @@ class Peer:
             self.trainer.stats() if self.trainer is not None else None,
             self.rebalancer.moves,
             self.context.traffic,
+            self.rebalancer.span,
         )
 
     async def refused_records(self) -> int | None:

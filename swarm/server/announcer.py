@@ -69,6 +69,8 @@ def announcement(facts: PeerFacts, stats: StageStats, coordinate: Coordinate | N
         averaging_bytes_received=stats.averaging_bytes_received,
         staleness_mean=round(stats.staleness_mean, 3),
         staleness_max=stats.staleness_max,
+        memory_used=stats.memory_used,
+        memory_available=stats.memory_available,
         reachable=facts.reachable,
         maddrs=facts.maddrs,
         coordinate=coordinate,

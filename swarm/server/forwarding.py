@@ -27,6 +27,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from hivemind.p2p import P2P
@@ -76,6 +77,17 @@ logger = logging.getLogger(__name__)
 NO_PEER_WAIT = 0.5
 
 
+class LocalStages(Protocol):
+    """The stages this peer serves (server/dispatch.py's StageDispatcher): a hop to the next stage of its own span
+    is a call in this process, not over a link."""
+
+    def local(self, stage: int) -> object | None: ...
+
+    async def handle(
+        self, kind: str, request: runtime_pb2.ExpertRequest, caller: str
+    ) -> runtime_pb2.ExpertResponse: ...
+
+
 @dataclass
 class _Forwarded:
     """A hop's forward, done: what it needs for backward."""
@@ -105,6 +117,7 @@ class Forwarder:
         self.rng = random.Random()
         self.p2p: P2P | None = None
         self.view: AnnouncementCache | None = None
+        self.local: LocalStages | None = None
         self.forwarded = 0  # microbatches this hop passed on and brought back
         self.rerouted = 0  # next hops that failed and were replaced by another peer of their stage
         self.replayed = 0  # repeats of applied microbatches answered with their first reply
@@ -120,9 +133,9 @@ class Forwarder:
         """Train requests for microbatches this hop, or the next, had already."""
         return self.path.errors[ErrorCode.DUPLICATE]
 
-    def attach(self, p2p: P2P, view: AnnouncementCache) -> None:
-        """The peer's connection and its picture of the swarm, once it serves."""
-        self.p2p, self.view = p2p, view
+    def attach(self, p2p: P2P, view: AnnouncementCache, local: LocalStages | None = None) -> None:
+        """The peer's connection, its picture of the swarm and the stages it serves, once it serves."""
+        self.p2p, self.view, self.local = p2p, view, local
 
     # ------------------------------------------------------------------------------------ one hop
 
@@ -266,6 +279,7 @@ class Forwarder:
             if tried:
                 self.rerouted += 1
             tried.add(peer_id)
+            here = peer_id == self.peer_id  # the next stage of this peer's own span
             request = make_request(
                 self.manifest,
                 following,
@@ -273,15 +287,23 @@ class Forwarder:
                 [hidden, targets],
                 train=fields.train,
                 proof=self.proof,
+                compression="float32" if here else None,  # nothing crosses a link: nothing is lost
                 route=onward.route[1:],
                 budget=budget,
             )
             self.router.started(peer_id, samples)
             begin = time.monotonic()
             try:
-                reply = await call_stage(self.p2p, peer_id, "train", request, budget + grace(budget), self.max_elements)
-                self.traffic.activation_sent += request.ByteSize()
-                self.traffic.activation_received += reply.ByteSize()
+                if here and self.local is not None:
+                    reply = await asyncio.wait_for(
+                        self.local.handle("train", request, self.peer_id), budget + grace(budget)
+                    )
+                else:
+                    reply = await call_stage(
+                        self.p2p, peer_id, "train", request, budget + grace(budget), self.max_elements
+                    )
+                    self.traffic.activation_sent += request.ByteSize()
+                    self.traffic.activation_received += reply.ByteSize()
                 outputs = check_reply(reply, expect, self.max_elements)
                 hops = decode_hops(reply, stages_after)
                 took = time.monotonic() - begin
@@ -315,6 +337,8 @@ class Forwarder:
         if preferred is not None and preferred not in tried and not self.router.is_banned(preferred, now):
             if any(a.peer_id == preferred for a in online):
                 return preferred
+        if preferred is None and self.local is not None and self.local.local(stage) and self.peer_id not in tried:
+            return self.peer_id  # no route given: this peer's own next stage costs no link
         chosen = self.router.choose(online, samples, now, self.rng, exclude=tried)
         if chosen is None:
             online = online_peers(await self.view.stage(stage, force=True), get_dht_time())

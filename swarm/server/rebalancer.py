@@ -10,6 +10,11 @@ state, and switches from one StageServer to the next. The order of a join and of
 target's state before it leaves the old stage, and is called off if it cannot): docs/ARCHITECTURE.md,
 "One peer" and "Balancing". A peer serves only stages that fit in its memory (swarm/capacity/): it measures it once,
 at start, and keeps the activations of as many microbatches as fit beside the stage.
+
+In a swarm with `balancing.spans`, a peer serves a span: as many consecutive stages as its memory holds, each by
+a StageServer of its own (its worker, step gate, averaging rounds and state), all behind the peer's one set of RPC
+handlers (server/dispatch.py); balancing/spans.py chooses where. One stage is the span of length one, so the join,
+the checks and the moves below are the same code for both.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from hivemind.utils import get_dht_time
 
 from swarm.architectures.model import build_stage
 from swarm.balancing.moves import PeerLoad, choose_stage, peer_loads, should_move, stage_totals
+from swarm.balancing.spans import SpanPeer, better_span, choose_span, span_peers
 from swarm.capacity.budget import MemoryBudget, check_fits, usable_budget
-from swarm.capacity.costs import MemorySettings, kept_microbatches, longest_span
+from swarm.capacity.costs import MemorySettings, kept_microbatches, span_lengths
+from swarm.capacity.plan import stage_work
 from swarm.dht.records import PeerState
-from swarm.errors import BalancingError, ManifestError, PeerStartError, SwarmError
+from swarm.errors import BalancingError, CapacityError, ManifestError, PeerStartError, SwarmError
 from swarm.events import Event, EventKind, OnEvent, ignore
 from swarm.peer.context import PeerContext
 from swarm.server.announcer import announced_rate
@@ -42,13 +49,14 @@ DRAIN_TIMEOUT = 30.0
 
 
 class Rebalancer:
-    """Serves one stage at a time: `server` is the current one (None until `start`), `moves` counts the moves."""
+    """Serves one span at a time (one stage, unless the swarm has spans): `servers` are its stages' servers
+    (empty until `start`), `server` the first of them; `moves` counts the moves."""
 
     def __init__(
         self,
         context: PeerContext,
         options: ServingOptions,
-        on_switch: Callable[[StageServer], None] = lambda server: None,
+        on_switch: Callable[[list[StageServer]], None] = lambda servers: None,
         on_event: OnEvent = ignore,
     ):
         self.context, self.options, self.on_switch, self.on_event = context, options, on_switch, on_event
@@ -56,82 +64,140 @@ class Rebalancer:
         self.meter = ThroughputMeter(self.manifest, context.p2p, self.peer_id, context.device, options, context.view)
         self.takeover = StateTakeover(self.manifest, context.p2p, context.view, self.peer_id, on_event)
         self.rng = random.Random()
-        self.server: StageServer | None = None
+        self.servers: list[StageServer] = []
         self.moves = 0
         self.memory = MemorySettings(cuda=context.device.type == "cuda")
         self.budget: MemoryBudget | None = None  # measured at start
-        self.fitting: list[int] = []  # the stages this peer's memory holds
+        self.lengths: list[int] = []  # how many stages fit from each start (at most 1 without spans)
+        self.work = stage_work(self.manifest)  # each stage's compute, in blocks
+        self.per_block: Throughput | None = None  # measured: compute through one block, and the network
+
+    @property
+    def server(self) -> StageServer | None:
+        return self.servers[0] if self.servers else None
+
+    @server.setter
+    def server(self, server: StageServer | None) -> None:
+        self.servers = [server] if server is not None else []
+
+    @property
+    def fitting(self) -> list[int]:
+        """The stages this peer's memory holds."""
+        return [stage for stage, length in enumerate(self.lengths) if length > 0]
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        return (self.servers[0].stage, self.servers[-1].stage + 1) if self.servers else None
 
     # -------------------------------------------------------------------------------------------- join
 
     async def start(self) -> StageServer:
-        """Choose a stage (or take the pinned one), take over its state, and serve it. Raises CapacityError if this
-        peer's memory holds no stage (or not the pinned one)."""
+        """Choose a span (or take the pinned one), take over its stages' state, and serve them. Raises
+        CapacityError if this peer's memory holds no stage (or not the pinned ones)."""
         self._measure_memory()
         if self.options.stage is not None:
-            stage = self.options.stage
+            start, end = self.options.stage, self.options.stage + self.options.span
         else:
             await asyncio.sleep(self.rng.uniform(0, JOIN_DELAY))
-            stage = self._choose(await self._loads())
-        server = await self._prepare(stage)  # measuring takes a while: peers that started with us announce meanwhile
-        if self.options.stage is None:
+            start, end = self._choose(await self._loads())
+        servers = await self._prepare(start, end)  # measuring takes a while: peers that started with us announce
+        if self.options.stage is None and not self.manifest.balancing.spans:
             loads = await self._loads()
-            if not self._is_bottleneck(loads, stage):
-                stage = self._choose(loads)
-                logger.info(f"at a second look another stage is the bottleneck; taking stage {stage}")
-                server = await self._prepare(stage)
-        await server.join(self.context.dht, self.context.p2p)
-        if not await self.takeover.into(server, reason="join"):
-            await server.shutdown()
-            raise PeerStartError(
-                f"could not download the state of stage {server.stage} from any of its online peers; "
-                "check that they are reachable from here, then start again"
-            )
-        await server.start(self.context.view)
-        self._switch_to(server)
-        return server
+            if not self._is_bottleneck(loads, start):
+                start, end = self._choose(loads)
+                logger.info(f"at a second look another stage is the bottleneck; taking stage {start}")
+                servers = await self._prepare(start, end)
+        for server in servers:
+            await server.join(self.context.dht, self.context.p2p)
+        for server in servers:
+            if not await self.takeover.into(server, reason="join"):
+                for each in servers:
+                    await each.shutdown()
+                raise PeerStartError(
+                    f"could not download the state of stage {server.stage} from any of its online peers; "
+                    "check that they are reachable from here, then start again"
+                )
+        for server in servers:
+            await server.start(self.context.view)
+        self._switch_to(servers)
+        return servers[0]
 
     def _measure_memory(self) -> None:
-        """The memory this peer may use, and the stages that fit in it; refuses in one line if none does."""
-        manifest, device = self.manifest, self.context.device
-        self.budget = budget = usable_budget(device, self.options.max_memory)
-        self.fitting = [s for s in range(manifest.num_stages) if longest_span(manifest, s, budget.usable, self.memory)]
-        if self.options.stage is not None or not self.fitting:  # the pinned stage, or the cheapest one: refused
-            cheapest = self.options.stage if self.options.stage is not None else min(1, manifest.num_stages - 1)
-            check_fits(manifest, cheapest, budget, self.memory)
-        logger.info(f"memory: {budget.describe()}; stages that fit: {self.fitting}")
+        """The memory this peer may use, and how many stages fit from each start; refuses in one line if no stage
+        fits (or the pinned ones do not)."""
+        manifest, device, options = self.manifest, self.context.device, self.options
+        self.budget = budget = usable_budget(device, options.max_memory)
+        lengths = span_lengths(manifest, budget.usable, self.memory)
+        self.lengths = lengths if manifest.balancing.spans else [min(length, 1) for length in lengths]
+        if options.stage is not None:
+            fits = lengths[options.stage]  # how many stages from the pinned one fit, spans or not
+            if fits < options.span:
+                check_fits(manifest, options.stage, budget, self.memory)  # none: the refusal with the numbers
+                raise CapacityError(
+                    f"stages {options.stage}-{options.stage + options.span - 1} do not fit together: "
+                    f"{fits} of them do in {budget.describe()}; pin a shorter --span"
+                )
+        elif not self.fitting:  # the cheapest stage (a middle one) is refused with the numbers
+            check_fits(manifest, min(1, manifest.num_stages - 1), budget, self.memory)
+        logger.info(f"memory: {budget.describe()}; stages that fit from each start: {self.lengths}")
 
-    def _choose(self, loads: list[PeerLoad]) -> int:
-        return choose_stage(loads, self.manifest.num_stages, self.rng, exclude_peer=self.peer_id, allowed=self.fitting)
+    def _me(self) -> SpanPeer:
+        """This peer as balancing sees it: its compute through one block and its network (1 and no limit until
+        measured: then it takes where the swarm is weakest), and its span."""
+        start, end = self.span or (0, 0)
+        if self.per_block is None:
+            return SpanPeer(self.peer_id, 1.0, float("inf"), start, end)
+        return SpanPeer(self.peer_id, self.per_block.compute, self.per_block.network, start, end)
+
+    def _choose(self, loads: list[PeerLoad]) -> tuple[int, int]:
+        if not self.manifest.balancing.spans:
+            stage = choose_stage(
+                loads, self.manifest.num_stages, self.rng, exclude_peer=self.peer_id, allowed=self.fitting
+            )
+            return stage, stage + 1
+        others = span_peers(loads, self.work, exclude=self.peer_id)
+        span = choose_span(self._me(), others, self.lengths, self.work, self.rng)
+        assert span is not None, "a peer that holds no stage was refused at start"
+        return span
 
     def _is_bottleneck(self, loads: list[PeerLoad], stage: int) -> bool:
         others = [load for load in loads if load.peer_id != self.peer_id]
         totals = stage_totals(others, self.manifest.num_stages)
         return totals[stage] <= min(totals) * (1 + 1e-9)
 
-    async def _prepare(self, stage: int) -> StageServer:
-        """A server for `stage` with its seed-initialised model and measured throughput; not yet announced."""
-        context = self.context
-        kept = None
-        if self.budget is not None:
-            kept = kept_microbatches(self.manifest, stage, stage + 1, self.budget.usable, self.memory)
-        model = build_stage(self.manifest, stage).to(context.device)
-        throughput = await self.meter.measure(stage, model)
-        return StageServer(
-            self.manifest,
-            stage,
-            model,
-            context.device,
-            self.peer_id,
-            throughput,
-            self.options,
-            simulated=self.meter.simulated.get(stage),
-            started=context.started,
-            traffic=context.traffic,
-            on_event=self.on_event,
-            position=context.position,
-            kept_microbatches=kept,
-        )
+    async def _prepare(self, start: int, end: int) -> list[StageServer]:
+        """Servers for stages [start, end) with their seed-initialised models; not yet announced. The first stage's
+        throughput is measured; every stage of a span announces the span's rate (the peer's device computes them
+        all: a microbatch takes the span's blocks' time)."""
+        context, budget = self.context, self.budget
+        kept = kept_microbatches(self.manifest, start, end, budget.usable, self.memory) if budget is not None else None
+        models = [build_stage(self.manifest, stage).to(context.device) for stage in range(start, end)]
+        measured = await self.meter.measure(start, models[0])
+        self.per_block = Throughput(measured.compute * self.work[start], measured.network)
+        throughput = self._span_rate(start, end)
+        return [
+            StageServer(
+                self.manifest,
+                stage,
+                model,
+                context.device,
+                self.peer_id,
+                throughput,
+                self.options,
+                simulated=self.meter.simulated.get(start),
+                started=context.started,
+                traffic=context.traffic,
+                on_event=self.on_event,
+                position=context.position,
+                kept_microbatches=kept,
+                dispatcher=context.stages,
+            )
+            for stage, model in zip(range(start, end), models)
+        ]
+
+    def _span_rate(self, start: int, end: int) -> Throughput:
+        assert self.per_block is not None
+        return Throughput(self.per_block.compute / sum(self.work[start:end]), self.per_block.network)
 
     # ---------------------------------------------------------------------------------------- moves
 
@@ -152,7 +218,7 @@ class Rebalancer:
                     continue
                 target = await self.check()
                 if target is not None and not stop.is_set():
-                    await self.move(target)
+                    await self.move(*target)
             except BalancingError as e:  # records that make no sense (a throughput of NaN): not a reason to stop
                 logger.warning(f"balance check failed: {e!r}")
             except SwarmError:
@@ -160,85 +226,131 @@ class Rebalancer:
             except Exception as e:  # a failed check, or a move called off: the peer goes on serving
                 logger.warning(f"balance check failed: {e!r}")
 
-    async def check(self) -> int | None:
-        """The stage to move to, if the balance says so at two looks a short random time apart."""
+    async def check(self) -> tuple[int, int] | None:
+        """The span (start, end) to move to, if the balance says so at two looks a short random time apart."""
         assert self.server is not None
         if self.meter.network_is_assumed:
             await self._refresh_network_figure()
         # checks are frequent and cheap: they read the cached records; only a decision to move reads them afresh
-        target = should_move(
-            self.peer_id, await self._loads(force=False), self.manifest.num_stages, self.manifest.balancing.min_gain
-        )
-        if target is None or target not in self.fitting:  # a stage its memory cannot hold is not a move
+        target = self._target(await self._loads(force=False))
+        if target is None:
             return None
         await asyncio.sleep(self.rng.uniform(0, JOIN_DELAY))
-        again = should_move(
-            self.peer_id, await self._loads(), self.manifest.num_stages, self.manifest.balancing.min_gain
-        )
-        return target if again == target else None
+        return target if self._target(await self._loads()) == target else None
 
-    async def move(self, target: int) -> bool:
-        """Move to `target` (see the module's docstring); False if the move was called off."""
-        old = self.server
-        assert old is not None
-        logger.info(f"moving from stage {old.stage} to stage {target}")
-        new = await self._prepare(target)
+    def _target(self, loads: list[PeerLoad]) -> tuple[int, int] | None:
+        min_gain = self.manifest.balancing.min_gain
+        if not self.manifest.balancing.spans:
+            stage = should_move(self.peer_id, loads, self.manifest.num_stages, min_gain)
+            # a stage its memory cannot hold is not a move
+            return (stage, stage + 1) if stage is not None and stage in self.fitting else None
+        others = span_peers(loads, self.work, exclude=self.peer_id)
+        return better_span(self._me(), others, self.lengths, self.work, self.rng, min_gain)
+
+    async def move(self, start: int, end: int | None = None) -> bool:
+        """Move to stages [start, end) (one stage if `end` is None; see the module's docstring): the stages it does
+        not serve yet are taken over first, then it leaves the ones it no longer serves. False if called off."""
+        end = start + 1 if end is None else end
+        old = {server.stage: server for server in self.servers}
+        assert old, "start first"
+        before = self.span
+        target = "stage" + (f" {start}" if end - start == 1 else f"s {start}-{end - 1}")
+        logger.info(f"moving from {self._describe(before)} to {target}")
+        new: list[StageServer] = []
+        for stage in range(start, end):
+            if stage not in old:
+                new += await self._prepare_one(stage, start, end)
+        leaving = [server for stage, server in old.items() if not start <= stage < end]
         try:
-            await new.join(self.context.dht, self.context.p2p)
-            # a target without online peers has lost its state anyway (they all died): start it afresh
-            try:
-                taken = await self.takeover.into(new, reason="move")
-            except ManifestError as e:  # e.g. the stage would start from a pretrained folder this machine lacks
-                logger.warning(f"move to stage {target} called off: {e}")
-                await new.shutdown()
-                return False
-            if not taken:
-                logger.warning(f"move to stage {target} called off: none of its peers could give its state")
-                await new.shutdown()
-                return False
+            for server in new:
+                await server.join(self.context.dht, self.context.p2p)
+                # a target without online peers has lost its state anyway (they all died): start it afresh
+                try:
+                    taken = await self.takeover.into(server, reason="move")
+                except ManifestError as e:  # e.g. a stage would start from a pretrained folder this machine lacks
+                    logger.warning(f"move to {target} called off: {e}")
+                    taken = None
+                if not taken:
+                    if taken is not None:
+                        logger.warning(f"move to {target} called off: no peer of stage {server.stage} gave its state")
+                    await _shutdown(new)
+                    return False
             # plans chain moves (A goes to T, so B may leave T for U): never leave a stage before the peer that
             # replaces us is online, or T's trained state would go with us (the records were just read afresh)
-            if not await other_online_peers(self.context.view, old.stage, self.peer_id):
-                logger.warning(f"move to stage {target} called off: this peer is the last one of stage {old.stage}")
-                await new.shutdown()
-                return False
+            for server in leaving:
+                if not await other_online_peers(self.context.view, server.stage, self.peer_id):
+                    logger.warning(f"move to {target} called off: this peer is the last one of stage {server.stage}")
+                    await _shutdown(new)
+                    return False
         except BaseException:
-            await new.shutdown()
+            await _shutdown(new)
             raise
-        await old.drain(DRAIN_TIMEOUT)
-        await old.shutdown()
+        for server in leaving:
+            await server.drain(DRAIN_TIMEOUT)
+            await server.shutdown()
         try:
-            await new.start(self.context.view)
+            for server in new:
+                await server.start(self.context.view)
         except Exception as e:
-            await new.shutdown()
-            raise SwarmError(f"after leaving stage {old.stage}, serving stage {target} failed: {e!r}") from e
-        self._switch_to(new)
+            await _shutdown(new)
+            raise SwarmError(f"after leaving {self._describe(before)}, serving {target} failed: {e!r}") from e
+        servers = sorted([s for s in self.servers if start <= s.stage < end] + new, key=lambda s: s.stage)
+        for server in servers:  # the span's length changed: so did its rate
+            server.throughput = self._span_rate(start, end)
+        self._switch_to(servers)
         self.moves += 1
-        logger.info(f"now serving stage {target} ({new.throughput.serving:.1f} samples/s)")
-        self.on_event(Event(EventKind.MOVED, {"from_stage": old.stage, "to_stage": target}))
+        logger.info(f"now serving {target} ({servers[0].throughput.serving:.1f} samples/s)")
+        details = {"from_stage": before[0] if before else None, "to_stage": start}
+        if self.manifest.balancing.spans:
+            details.update(from_span=list(before) if before else None, to_span=[start, end])
+        self.on_event(Event(EventKind.MOVED, details))
         return True
+
+    async def _prepare_one(self, stage: int, start: int, end: int) -> list[StageServer]:
+        """A server for one stage of the span [start, end) this peer moves to."""
+        (server,) = await self._prepare(stage, stage + 1)
+        server.throughput = self._span_rate(start, end)
+        return [server]
+
+    @staticmethod
+    def _describe(span: tuple[int, int] | None) -> str:
+        if span is None:
+            return "nothing"
+        start, end = span
+        return f"stage {start}" if end - start == 1 else f"stages {start}-{end - 1}"
 
     async def _refresh_network_figure(self) -> None:
         """Replace the assumed default bandwidth by a measurement once another peer is there."""
-        assert self.server is not None
+        assert self.server is not None and self.per_block is not None
         network = await self.meter.network_figure(self.server.stage)
         if network is not None:
-            self.server.throughput = Throughput(self.server.throughput.compute, network)
+            self.per_block = Throughput(self.per_block.compute, network)
+            start, end = self.span or (0, 1)
+            for server in self.servers:
+                server.throughput = self._span_rate(start, end)
 
     async def _loads(self, force: bool = True) -> list[PeerLoad]:
         """Balancing's picture of the swarm: fresh from the DHT if `force`, else at most an announce period old."""
         loads = peer_loads(await self.context.view.all_stages(force=force), get_dht_time())
-        if self.server is not None and self.server.state == PeerState.ONLINE:
-            # this peer's own record in the DHT may be a few seconds old: use the truth
+        online = [server for server in self.servers if server.state == PeerState.ONLINE]
+        if online:
+            # this peer's own records in the DHT may be a few seconds old: use the truth
             loads = [load for load in loads if load.peer_id != self.peer_id]
-            throughput = announced_rate(self.server.throughput.serving)  # exactly what others read
-            loads.append(PeerLoad(self.peer_id, self.server.stage, throughput, True, not self.server.pinned))
+            for server in online:
+                throughput = announced_rate(server.throughput.serving)  # exactly what others read
+                loads.append(PeerLoad(self.peer_id, server.stage, throughput, True, not server.pinned))
         return loads
 
-    def _switch_to(self, server: StageServer) -> None:
-        self.server = server
-        self.on_switch(server)
+    def _switch_to(self, servers: list[StageServer]) -> None:
+        self.servers = servers
+        for server in servers:
+            server.memory_available = self.budget.limit if self.budget is not None else 0
+        self.on_switch(servers)
 
     async def shutdown(self) -> None:
-        if self.server is not None:
-            await self.server.shutdown()
+        await _shutdown(self.servers)
+
+
+async def _shutdown(servers: list[StageServer]) -> None:
+    for server in servers:
+        await server.shutdown()

@@ -26,6 +26,7 @@ from hivemind.p2p import P2P
 
 from swarm.architectures.model import StageModel
 from swarm.averaging.averager import StageAverager
+from swarm.capacity.budget import memory_in_use
 from swarm.dht.announcement_cache import AnnouncementCache
 from swarm.dht.records import PeerState
 from swarm.events import OnEvent, ignore
@@ -35,6 +36,7 @@ from swarm.server.admission import Admission
 from swarm.server.announcer import Announcer, PeerFacts
 from swarm.server.checkpoint import save_checkpoint
 from swarm.server.compute import StageCompute
+from swarm.server.dispatch import StageDispatcher
 from swarm.server.forwarding import Forwarder
 from swarm.server.request_path import RequestPath
 from swarm.server.rounds import AveragingRounds, RoundCounters
@@ -50,7 +52,8 @@ logger = logging.getLogger(__name__)
 class ServingOptions:
     """How the user asked this peer to serve (swarm-peer's flags)."""
 
-    stage: int | None = None  # --stage: pinned
+    stage: int | None = None  # --stage: pinned (the first stage of a pinned span)
+    span: int = 1  # --span: how many stages from the pinned one (a swarm with balancing.spans)
     throughput: str = "auto"  # --throughput: auto (cached), eval (measure again), or a number of samples/s
     bandwidth_mbits: float | None = None  # --bandwidth: skip the network measurement
     simulated_speed: float = 1.0  # --simulated-speed (testing aid)
@@ -79,6 +82,7 @@ class StageServer:
         on_event: OnEvent = ignore,
         position: Vivaldi | None = None,
         kept_microbatches: int | None = None,  # whose activations fit in memory (capacity/costs.py); None: default
+        dispatcher: StageDispatcher | None = None,  # the peer's RPC handlers (server/dispatch.py); None: its own
     ):
         self.manifest, self.stage, self.device, self.peer_id = manifest, stage, device, peer_id
         self.throughput, self.options, self.on_event = throughput, options, on_event
@@ -109,7 +113,10 @@ class StageServer:
         self.checkpoints_saved = 0
         self._tasks: list[asyncio.Task] = []
         self._p2p: P2P | None = None
-        self._handlers_added = False  # handlers are named by class, not object: never remove another server's
+        self.memory_available = 0  # bytes the peer may use (set by the rebalancer once it measured them)
+        self._own_dispatcher = dispatcher is None
+        self.dispatcher = dispatcher if dispatcher is not None else StageDispatcher(manifest)
+        self._handlers_added = False  # its service is in the dispatcher
         self._went_online = False  # a server that never served has nothing worth a checkpoint
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -157,8 +164,9 @@ class StageServer:
                 self.manifest.network.announce_period,
             )
         )
-        self.forwarder.attach(self._p2p, view)
-        await self.service.add_p2p_handlers(self._p2p, namespace=StageService.NAMESPACE)
+        self.forwarder.attach(self._p2p, view, self.dispatcher)
+        await self.dispatcher.register(self._p2p)
+        self.dispatcher.add(self.service)
         self._handlers_added = True
         self.state = PeerState.ONLINE
         self._went_online = True
@@ -191,10 +199,11 @@ class StageServer:
         dht = self.announcer.dht
         if dht is not None and dht.is_alive():
             steps.append(("announcing offline", self.announcer.announce()))
-        if self._p2p is not None and self._handlers_added:
+        if self._handlers_added:
             self._handlers_added = False
-            remove = self.service.remove_p2p_handlers(self._p2p, namespace=StageService.NAMESPACE)
-            steps.append(("removing handlers", remove))
+            self.dispatcher.remove(self.service)
+            if self._own_dispatcher:
+                steps.append(("removing handlers", self.dispatcher.unregister()))
         for what, step in steps:
             try:
                 await asyncio.wait_for(step, timeout=timeout)
@@ -211,7 +220,7 @@ class StageServer:
             await asyncio.get_running_loop().run_in_executor(None, averager.shutdown)
 
     async def handle(self, kind: str, request, caller: str):
-        """One forward or backward request from this peer's own trainer (libp2p cannot dial itself)."""
+        """One request from this peer itself (libp2p cannot dial itself)."""
         return await self.service.handle(kind, request, caller)
 
     # -------------------------------------------------------------------------------------------- figures
@@ -256,6 +265,8 @@ class StageServer:
             gate_waiting=gate.waiting if gate is not None else 0,
             gate_waited=gate.waited if gate is not None else 0,
             gate_expired=gate.expired if gate is not None else 0,
+            memory_used=memory_in_use(self.device) if self.memory_available else 0,
+            memory_available=self.memory_available,
         )
 
     # ---------------------------------------------------------------------------------------- checkpoints

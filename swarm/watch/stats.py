@@ -62,6 +62,8 @@ class StageStats:
     gate_waiting: int = 0  # microbatches waiting now for this stage's next step (server/step_gate.py)
     gate_waited: int = 0  # ... in all
     gate_expired: int = 0  # slots given up because their backward did not come
+    memory_used: int = 0  # bytes the peer holds (GPU memory reserved, or its resident memory on a CPU)
+    memory_available: int = 0  # bytes it may use (measured at start, or --max-memory); 0: not measured
 
     def to_dict(self) -> dict[str, Any]:
         """As the status line prints it."""
@@ -113,10 +115,18 @@ class PeerSnapshot:
     trainer: TrainerStats | None  # None: no trainer (yet)
     moves: int  # from one stage to another
     traffic: Traffic  # a copy: the figures of this moment
+    span: tuple[int, int] | None = None  # the stages [start, end) it serves (`stage` is the first one's)
 
     @classmethod
-    def of(cls, stage: StageStats | None, trainer: TrainerStats | None, moves: int, traffic: Traffic) -> PeerSnapshot:
-        return cls(stage, trainer, moves, replace(traffic))
+    def of(
+        cls,
+        stage: StageStats | None,
+        trainer: TrainerStats | None,
+        moves: int,
+        traffic: Traffic,
+        span: tuple[int, int] | None = None,
+    ) -> PeerSnapshot:
+        return cls(stage, trainer, moves, replace(traffic), span)
 
     @property
     def state(self) -> PeerState:

@@ -136,13 +136,15 @@ def swarm_health(
 ) -> dict[str, Any]:
     """Everything peer-status shows, as one JSON-compatible document (see `exit_code` for its verdict)."""
     period = manifest.network.announce_period
-    peers = one_record_per_peer([peer_document(ann, now, period) for anns in stages for ann in anns])
+    records = [peer_document(ann, now, period) for anns in stages for ann in anns]  # a peer has one per stage served
+    peers = one_record_per_peer(records)
     attested = attested_samples(reports)
     for peer in peers:
         peer["attested_samples"] = attested.get(peer["peer_id"], 0)
+        peer["span"] = _span(peer, records)
     peers.sort(key=lambda p: (p["stage"], p["status"] != "online", p["peer_id"]))
 
-    live = [p for p in peers if p["status"] in ("online", "joining")]
+    live = [p for p in records if p["status"] in ("online", "joining")]
     loads = [
         PeerLoad(p["peer_id"], p["stage"], p["throughput"], online=p["status"] == "online", movable=not p["pinned"])
         for p in live
@@ -150,7 +152,7 @@ def swarm_health(
     totals = stage_totals([load for load in loads if load.online], manifest.num_stages)
     stage_rows = []
     for stage in range(manifest.num_stages):
-        here = [p for p in peers if p["stage"] == stage]
+        here = one_record_per_peer([p for p in records if p["stage"] == stage])
         online = [p for p in here if p["status"] == "online"]
         start, end = manifest.stages[stage]
         stage_rows.append(
@@ -204,6 +206,13 @@ def swarm_health(
         "training": training_progress(manifest, reports, samples_trained),
         "time": now,
     }
+
+
+def _span(peer: dict[str, Any], records: list[dict[str, Any]]) -> list[int]:
+    """The stages [start, end) a peer serves: those of its live records (a peer serving a span announces one
+    record per stage), or the stage of the record shown if none is live."""
+    stages = [r["stage"] for r in records if r["peer_id"] == peer["peer_id"] and r["status"] in ("online", "joining")]
+    return [min(stages), max(stages) + 1] if stages else [peer["stage"], peer["stage"] + 1]
 
 
 def exit_code(document: dict[str, Any]) -> int:

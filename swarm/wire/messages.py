@@ -94,10 +94,12 @@ def make_request(
     tensors: list[torch.Tensor],
     train: bool = True,
     proof: str | None = None,
+    compression: str | None = None,
     **fields: object,
 ) -> runtime_pb2.ExpertRequest:
     """A forward, backward or train request; `proof` (manifest.proof(sender's peer id)) is needed in a private
-    swarm; `fields` are more metadata (a train request's route and budget)."""
+    swarm; `compression` overrides the swarm's (a hop to the next stage on the same peer sends float32: nothing
+    crosses a link); `fields` are more metadata (a train request's route and budget)."""
     metadata = {
         **fields,
         "swarm_id": manifest.swarm_id,
@@ -108,7 +110,7 @@ def make_request(
     }
     if proof is not None:
         metadata["proof"] = proof
-    compression, token_dtype = wire_compression(manifest), wire_token_dtype(manifest)
+    compression, token_dtype = compression or wire_compression(manifest), wire_token_dtype(manifest)
     encoded = [encode_tensor(t, compression, token_dtype) for t in tensors]
     return runtime_pb2.ExpertRequest(tensors=encoded, metadata=pack(metadata))
 
