@@ -25,7 +25,6 @@ from swarm.wire.messages import make_error_reply, unpack
 from swarm.wire.rpc import StageRPC
 
 Request, Reply = runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse
-FIRST_PART_TIMEOUT = 30.0  # seconds a request stream has to send its first part (which names the stage)
 
 
 class StageDispatcher(StageRPC):  # the same handler names as a StageService's
@@ -122,17 +121,28 @@ class StageDispatcher(StageRPC):  # the same handler names as a StageService's
             yield part
 
     async def _stream(self, method: str, requests: AsyncIterator[Request], context: P2PContext) -> AsyncIterator[Reply]:
-        """The stream's first part names the stage: it is read here, then the whole stream goes to that service."""
+        """To the one service the peer has, untouched (its admission decides whether to read it at all); with
+        several, the stream's first part names the stage: it is read here (within the forward timeout, as any part
+        of a request stream), then the whole stream goes to that stage's service."""
+        if len(self.services) <= 1:
+            service = self._service_for(None)
+            if service is None:
+                yield _not_serving()
+                return
+            async for part in getattr(service, method)(requests, context):
+                yield part
+            return
         try:
-            first: Request | None = await asyncio.wait_for(anext(requests), timeout=FIRST_PART_TIMEOUT)
+            timeout = self.manifest.training.timeouts.forward
+            first = await asyncio.wait_for(anext(requests), timeout=timeout)
         except (StopAsyncIteration, TimeoutError):
-            first = None
+            yield make_error_reply("the request stream did not start in time", ErrorCode.BAD_REQUEST)
+            return
         service = self._service_for(first)
         if service is None:
             yield _not_serving()
             return
-        rest = _prepend(first, requests) if first is not None else _empty()
-        async for part in getattr(service, method)(rest, context):
+        async for part in getattr(service, method)(_prepend(first, requests), context):
             yield part
 
 
@@ -154,8 +164,3 @@ async def _prepend(first: Request, rest: AsyncIterator[Request]) -> AsyncIterato
     yield first
     async for part in rest:
         yield part
-
-
-async def _empty() -> AsyncIterator[Request]:
-    return
-    yield

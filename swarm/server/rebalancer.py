@@ -174,7 +174,7 @@ class Rebalancer:
         models = [build_stage(self.manifest, stage).to(context.device) for stage in range(start, end)]
         measured = await self.meter.measure(start, models[0])
         self.per_block = Throughput(measured.compute * self.work[start], measured.network)
-        throughput = self._span_rate(start, end)
+        throughput = measured if end - start == 1 else self._span_rate(start, end)
         return [
             StageServer(
                 self.manifest,
@@ -295,8 +295,9 @@ class Rebalancer:
             await _shutdown(new)
             raise SwarmError(f"after leaving {self._describe(before)}, serving {target} failed: {e!r}") from e
         servers = sorted([s for s in self.servers if start <= s.stage < end] + new, key=lambda s: s.stage)
-        for server in servers:  # the span's length changed: so did its rate
-            server.throughput = self._span_rate(start, end)
+        if self.manifest.balancing.spans:
+            for server in servers:  # the span's length changed: so did its rate
+                server.throughput = self._span_rate(start, end)
         self._switch_to(servers)
         self.moves += 1
         logger.info(f"now serving {target} ({servers[0].throughput.serving:.1f} samples/s)")
@@ -309,7 +310,8 @@ class Rebalancer:
     async def _prepare_one(self, stage: int, start: int, end: int) -> list[StageServer]:
         """A server for one stage of the span [start, end) this peer moves to."""
         (server,) = await self._prepare(stage, stage + 1)
-        server.throughput = self._span_rate(start, end)
+        if end - start > 1:
+            server.throughput = self._span_rate(start, end)
         return [server]
 
     @staticmethod
