@@ -80,6 +80,7 @@ def test_peers_choose_spans_by_their_memory_and_cover_the_blocks_of_a_large_peer
     large = start_peer(write_manifest(raw), "--stage", "0", "--span", "4", "--no-trainer", "--status-every", "1")
     raw["initial_peers"] = [large.maddr()]
     joined = write_manifest(raw, "joined.json")
+    large.wait_for_json(lambda line: line.get("state") == "online", 90, "the large peer online")
     cap = memory_for(raw, 2)
     small = [start_peer(joined, "--max-memory", cap, "--no-trainer", "--status-every", "1") for _ in range(2)]
     trainer = start_peer(joined, "--trainer-only", "--status-every", "1")

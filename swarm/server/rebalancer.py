@@ -101,11 +101,11 @@ class Rebalancer:
             await asyncio.sleep(self.rng.uniform(0, JOIN_DELAY))
             start, end = self._choose(await self._loads())
         servers = await self._prepare(start, end)  # measuring takes a while: peers that started with us announce
-        if self.options.stage is None and not self.manifest.balancing.spans:
-            loads = await self._loads()
-            if not self._is_bottleneck(loads, start):
-                start, end = self._choose(loads)
-                logger.info(f"at a second look another stage is the bottleneck; taking stage {start}")
+        if self.options.stage is None:
+            again = self._second_look(await self._loads(), start, end)
+            if again is not None:
+                start, end = again
+                logger.info(f"at a second look the swarm is weakest elsewhere; taking {self._describe(again)}")
                 servers = await self._prepare(start, end)
         for server in servers:
             await server.join(self.context.dht, self.context.p2p)
@@ -159,6 +159,17 @@ class Rebalancer:
         span = choose_span(self._me(), others, self.lengths, self.work, self.rng)
         assert span is not None, "a peer that holds no stage was refused at start"
         return span
+
+    def _second_look(self, loads: list[PeerLoad], start: int, end: int) -> tuple[int, int] | None:
+        """Another span, if the records read after measuring (this peer's own rate now known, peers that started
+        with it announced) say the first choice helps the swarm less: a peer that read a swarm half announced would
+        otherwise serve a short span where one stage looked empty."""
+        if not self.manifest.balancing.spans:
+            return None if self._is_bottleneck(loads, start) else self._choose(loads)
+        assert self.per_block is not None
+        me = SpanPeer(self.peer_id, self.per_block.compute, self.per_block.network, start, end)
+        others = span_peers(loads, self.work, exclude=self.peer_id)
+        return better_span(me, others, self.lengths, self.work, self.rng, min_gain=0.0)
 
     def _is_bottleneck(self, loads: list[PeerLoad], stage: int) -> bool:
         others = [load for load in loads if load.peer_id != self.peer_id]
