@@ -225,12 +225,19 @@ async def run_peer(
     return 0
 
 
+SPAN_STAGE_FIELDS = ("stage", "samples_served", "optimizer_steps", "averaging_rounds", "averaging_rounds_failed")
+
+
 def print_progress(snapshot: PeerSnapshot, as_json: bool, refused_records: int = 0) -> None:
     """The status line: one JSON object with --json, else a sentence."""
     stats, trainer_stats = snapshot.stage, snapshot.trainer  # no stage: a --trainer-only peer
     if as_json:
         status = {**stats.to_dict(), "moves": snapshot.moves} if stats is not None else {"stage": None}
         status["span"] = list(snapshot.span) if snapshot.span is not None else None
+        if len(snapshot.stages) > 1:  # what each stage of a span did (the fields above are its first stage's)
+            status["span_stages"] = [
+                {key: each.to_dict()[key] for key in SPAN_STAGE_FIELDS} for each in snapshot.stages
+            ]
         if trainer_stats is not None:
             status.update(trainer_stats.to_dict())
         status["refused_records"] = refused_records

@@ -41,6 +41,16 @@ def test_misaligned_spans_train_and_a_peer_leaving_mid_span_is_routed_around(sta
         for name, peer in (("first", first), ("middle", middle), ("tail", tail))
     }
     assert all(line["samples_served"] > 0 for line in served.values()), served
+
+    # peers average each stage they share, whatever spans they serve: stage 1 (first and middle), stages 2 and 3
+    # (middle and tail); the first peer's stage 0 has no partner
+    def averaged(peer, stage: int) -> int:
+        line = peer.status_lines()[-1]
+        return next(each["averaging_rounds"] for each in line.get("span_stages", []) if each["stage"] == stage)
+
+    for peer, stage in ((first, 1), (middle, 1), (middle, 2), (middle, 3), (tail, 3)):
+        peer.wait_for_json(lambda line, p=peer, s=stage: averaged(p, s) >= 1, 120, f"stage {stage} averaged")
+    assert averaged(first, 0) == 0
     # a peer whose span ends mid-way through another's leaves: the hops before it go on through the middle peer
     tail.kill()
     after = begun["trainer_samples"] + 400

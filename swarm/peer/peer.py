@@ -154,13 +154,14 @@ class Peer:
 
     def snapshot(self) -> PeerSnapshot:
         """This moment of the peer, for its status line and its metrics; call it on the peer's event loop."""
-        server = self.rebalancer.server
+        stages = tuple(server.stats() for server in self.rebalancer.servers)
         return PeerSnapshot.of(
-            server.stats() if server is not None else None,
+            stages[0] if stages else None,
             self.trainer.stats() if self.trainer is not None else None,
             self.rebalancer.moves,
             self.context.traffic,
             self.rebalancer.span,
+            stages,
         )
 
     async def refused_records(self) -> int | None:

@@ -116,6 +116,7 @@ class PeerSnapshot:
     moves: int  # from one stage to another
     traffic: Traffic  # a copy: the figures of this moment
     span: tuple[int, int] | None = None  # the stages [start, end) it serves (`stage` is the first one's)
+    stages: tuple[StageStats, ...] = ()  # every stage of the span, first to last
 
     @classmethod
     def of(
@@ -125,8 +126,9 @@ class PeerSnapshot:
         moves: int,
         traffic: Traffic,
         span: tuple[int, int] | None = None,
+        stages: tuple[StageStats, ...] = (),
     ) -> PeerSnapshot:
-        return cls(stage, trainer, moves, replace(traffic), span)
+        return cls(stage, trainer, moves, replace(traffic), span, stages)
 
     @property
     def state(self) -> PeerState:
