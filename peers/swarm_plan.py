@@ -27,6 +27,8 @@ examples:
       each would serve, the memory each peer uses, the swarm's tokens/s and what limits it, beside fixed stages
   swarm-plan --join my-swarm.json --expect 30x12GB@50TF/40mbit --kept-microbatches 4
       a manifest you wrote (a path or a URL), on 12 GB cards whose peers keep 4 microbatches' activations
+  swarm-plan --join my-swarm.json --expect 4x16GB@1TF/100mbit --cpu
+      the same on CPU machines with 16 GB of RAM free (float32, as CPU peers compute)
   swarm-plan --preset llama-1b --expect 8GB@40TF/50mbit --json
       the plan as JSON: per kind of machine its blocks and memory_bytes; tokens_per_second and bottleneck
 
@@ -58,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="K",
         help=f"microbatches whose activations a peer keeps for backward (default {KEPT_MICROBATCHES})",
     )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="the machines are CPUs: MEMORY is their RAM, weights and activations float32 (as a CPU peer computes)",
+    )
     parser.add_argument("--mfu", type=float, default=MFU, help=f"share of the FLOP rate a stage reaches ({MFU})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
@@ -79,24 +86,24 @@ def main(argv: list[str] | None = None) -> int:
         else:
             spans = {"spans": True} if args.spans else None
             manifest = new_manifest("plan", args.preset, stages=args.stages, balancing=spans)
-        plans = make_plans(manifest, args.expect, args.kept_microbatches, args.mfu)
+        plans = make_plans(manifest, args.expect, args.kept_microbatches, args.mfu, cuda=not args.cpu)
     except SwarmError as e:
         print(f"swarm-plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(plans_as_dict(*plans)))
     else:
-        print_plans(*plans)
+        print_plans(*plans, cpu=args.cpu)
     return 0
 
 
 def make_plans(
-    manifest: Manifest, expect: str, kept: int = KEPT_MICROBATCHES, mfu: float = MFU
+    manifest: Manifest, expect: str, kept: int = KEPT_MICROBATCHES, mfu: float = MFU, cuda: bool = True
 ) -> tuple[SwarmPlan, SwarmPlan]:
     """What the swarm's peers would do (spans if its manifest says so, else one stage each), and the other way to
     compare: (spans, fixed stages)."""
     kinds = parse_expect(expect)
-    settings = MemorySettings(kept_microbatches=kept)
+    settings = MemorySettings(kept_microbatches=kept, cuda=cuda)
     return (
         plan_swarm(manifest, kinds, settings, spans=True, mfu=mfu),
         plan_swarm(manifest, kinds, settings, spans=False, mfu=mfu),
@@ -117,7 +124,7 @@ def plans_as_dict(spans: SwarmPlan, fixed: SwarmPlan) -> dict[str, Any]:
     }
 
 
-def print_plans(spans: SwarmPlan, fixed: SwarmPlan) -> None:
+def print_plans(spans: SwarmPlan, fixed: SwarmPlan, cpu: bool = False) -> None:
     console = Console()
     manifest = spans.manifest
     console.print(
@@ -126,7 +133,8 @@ def print_plans(spans: SwarmPlan, fixed: SwarmPlan) -> None:
         + (", activation checkpointing" if manifest.training.activation_checkpointing else "")
     )
     table = Table(title="each kind of machine, with spans (and with fixed stages)")
-    for column in ("machines", "blocks", "GPU memory", "RAM", "samples/s", "stages served", "fixed stages"):
+    memory = ("RAM", "RAM besides") if cpu else ("GPU memory", "RAM")  # a CPU peer's everything is in RAM
+    for column in ("machines", "blocks", *memory, "samples/s", "stages served", "fixed stages"):
         table.add_column(column)
     for span_kind, fixed_kind in zip(spans.kinds, fixed.kinds):
         served = ", ".join(f"{s}-{e - 1}" if e - s > 1 else str(s) for s, e in sorted(set(span_kind.spans)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import time
 import urllib.error
@@ -17,6 +18,7 @@ from conftest import ROOT, tiny_manifest_dict
 from peers import processes
 from peers.processes import free_ports
 from peers.swarm_monitor import main as monitor_main
+from swarm.capacity.budget import format_memory
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = ROOT / "test-artifacts"  # screenshots the browser test leaves for people to look at
@@ -155,6 +157,7 @@ def test_the_monitor_of_a_live_swarm_in_a_real_browser(start_peer, write_manifes
             driver.execute_script("return document.querySelectorAll('#peers-table b, #peers-table script').length") == 0
         )
         assert driver.execute_script("return document.querySelectorAll('#stage-list .stage-row').length") == 2
+        check_spans_and_memory(driver, state)
         assert driver.find_element("id", "status").text == "healthy"
 
         def points(plot: str, kind: str = "scatter") -> int:
@@ -205,6 +208,30 @@ def test_the_monitor_of_a_live_swarm_in_a_real_browser(start_peer, write_manifes
         if driver is not None:
             driver.quit()
         processes.stop_peers(monitors, grace=15.0)
+
+
+def check_spans_and_memory(driver, state: dict) -> None:
+    """Each peer's stages and memory in the peers' table, and the coverage of each stage: here two peers, one a
+    stage, so both stages are held by one peer (thin). tests/test_monitor_spans.py checks spans of several stages."""
+    cells = driver.execute_script(
+        "return Object.fromEntries([...document.querySelectorAll('#peers-table tbody tr')].map(r => "
+        "[r.dataset.peerId, [r.querySelector('td.span').textContent, r.querySelector('td.memory').textContent]]))"
+    )
+    for peer in state["peers"]:
+        stages, memory = cells[peer["peer_id"]]
+        assert stages == f"stage {peer['stage']}", cells
+        # what a peer holds changes from one read to the next; what it may use does not
+        assert peer["memory_available"] > 0 and memory.endswith(f" of {format_memory(peer['memory_available'])}")
+        assert re.fullmatch(r"\d+(\.\d\d GiB| MiB) of .*", memory), memory
+    coverage = driver.execute_script(
+        "return [...document.querySelectorAll('#coverage .coverage-stage')].map(b => [b.dataset.stage, b.className, "
+        "b.querySelector('.coverage-peers').textContent, b.querySelector('.coverage-throughput').textContent])"
+    )
+    assert [row[:3] for row in coverage] == [
+        ["0", "coverage-stage thin", "1 peer"],
+        ["1", "coverage-stage thin", "1 peer"],
+    ]
+    assert all(re.fullmatch(r"\d+\.\d samples/s", row[3]) for row in coverage), coverage
 
 
 def check_tracker_files(tmp_path: Path) -> None:

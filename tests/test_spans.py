@@ -5,6 +5,8 @@ spans their peers serve."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import tiny_manifest_dict
@@ -83,8 +85,17 @@ def memory_for(manifest_dict, stages: int) -> str:
     return str(cap)
 
 
+def planned(manifest_path, machines: str, capsys) -> dict:
+    """swarm-plan's JSON for CPU machines: what the peers of this swarm would serve."""
+    from peers.swarm_plan import main
+
+    capsys.readouterr()
+    assert main(["--join", str(manifest_path), "--expect", machines, "--cpu", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 def test_peers_choose_spans_by_their_memory_and_cover_the_blocks_of_a_large_peer_that_leaves(
-    start_peer, write_manifest
+    start_peer, write_manifest, capsys
 ):
     raw = span_manifest()
     large = start_peer(write_manifest(raw), "--stage", "0", "--span", "4", "--no-trainer", "--status-every", "1")
@@ -94,9 +105,15 @@ def test_peers_choose_spans_by_their_memory_and_cover_the_blocks_of_a_large_peer
     cap = memory_for(raw, 2)
     small = [start_peer(joined, "--max-memory", cap, "--no-trainer", "--status-every", "1") for _ in range(2)]
     trainer = start_peer(joined, "--trainer-only", "--status-every", "1")
+    # the plan, made before anyone started, says what these peers do: two blocks each, in the memory they announce
+    plan = planned(joined, f"2x{cap}@1TF/100mbit", capsys)
+    assert plan["mode"] == "spans" and plan["kinds"][0]["blocks"] == 2, plan
+    too_small = planned(joined, f"{int(cap) // 8}@1TF/100mbit", capsys)
+    assert too_small["kinds"][0]["serving"] == 0, too_small
     for peer in small:  # each took two stages: its memory holds no more
         line = peer.wait_for_json(lambda line: line.get("state") == "online", 90, "online")
-        assert line["span"][1] - line["span"][0] == 2, line
+        assert line["span"][1] - line["span"][0] == plan["kinds"][0]["blocks"], line
+        assert line["memory_available"] == int(cap) and 0 < line["memory_used"], line
     trainer.wait_for_json(lambda line: (line.get("trainer_samples") or 0) >= 200, 120, "training")
     large.kill()
 

@@ -141,7 +141,9 @@ class SwarmPlan:
         """What limits the swarm, in words: an uncovered stage, or the compute or the links of a stage's peers."""
         stage = self.bottleneck_stage
         if self.coverage[stage] <= 0:
-            return f"stage {stage} has no peer that can hold it"
+            if any(k.kind.count > k.serving for k in self.kinds):  # some machines hold no stage at all
+                return f"stage {stage} has no peer: no machine that serves can hold it, or there are too few"
+            return f"stage {stage} has no peer: too few machines for {len(self.coverage)} stages"
         holders = [k for k in self.kinds if any(s <= stage < e for s, e in k.spans)]
         network = [k.kind.name for k in holders if k.bound == "network"]
         if network and len(network) * 2 >= len(holders):

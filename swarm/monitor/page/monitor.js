@@ -35,6 +35,31 @@ function duration(seconds) {
   return `${Math.floor(seconds / 3600)}h${String(Math.floor((seconds % 3600) / 60)).padStart(2, "0")}m`;
 }
 
+// a peer's stages: "stage 3", or "stages 2-5" for a peer serving the span [2, 6); "-" for a peer the document
+// gives no span (a document from before spans)
+function spanText(span) {
+  if (!Array.isArray(span) || span.length !== 2) return "-";
+  const [start, end] = span;
+  return end - start === 1 ? `stage ${start}` : `stages ${start}-${end - 1}`;
+}
+
+// whether a peer holds a stage: every stage of its span (only its record's stage without one)
+function holds(peer, stage) {
+  return Array.isArray(peer.span) ? peer.span[0] <= stage && stage < peer.span[1] : peer.stage === stage;
+}
+
+// bytes as swarm/capacity/budget.py's format_memory writes them: "7.51 GiB", "600 MiB"
+function formatMemory(size) {
+  return size >= 2 ** 30 ? `${(size / 2 ** 30).toFixed(2)} GiB` : `${(size / 2 ** 20).toFixed(0)} MiB`;
+}
+
+// "1.50 GiB of 6.00 GiB": what a peer holds of what it may use, as peer-status shows it; "-" from a peer that
+// does not say (a peer of an older swarm, or one that has not measured yet)
+function memoryText(peer) {
+  if (!peer.memory_available) return "-";
+  return `${formatMemory(peer.memory_used || 0)} of ${formatMemory(peer.memory_available)}`;
+}
+
 function setText(id, text) {
   document.getElementById(id).textContent = text;
 }
@@ -91,11 +116,14 @@ function renderHealth(state) {
 function renderStages(state) {
   const live = state.peers.filter((p) => p.status === "online");
   const stages = state.stages.map((s) => `stage ${s.stage}`);
-  // one bar per stage, made of one segment per online peer (its throughput)
-  const traces = live.map((peer) => ({
-    type: "bar", orientation: "h", name: escapeForPlotly(peerLabel(peer)),
-    y: [`stage ${peer.stage}`], x: [peer.throughput], hovertemplate: `%{x:.1f} samples/s<extra>%{fullData.name}</extra>`,
-  }));
+  // one bar per stage, made of one segment per online peer that holds it (its throughput; a span peer's in each)
+  const traces = live.map((peer) => {
+    const held = state.stages.filter((s) => holds(peer, s.stage)).map((s) => `stage ${s.stage}`);
+    return {
+      type: "bar", orientation: "h", name: escapeForPlotly(peerLabel(peer)), y: held, x: held.map(() => peer.throughput),
+      hovertemplate: `%{x:.1f} samples/s<extra>%{fullData.name}</extra>`,
+    };
+  });
   if (!traces.length) traces.push({ type: "bar", orientation: "h", y: stages, x: stages.map(() => 0), name: "no peers" });
   Plotly.react("stage-plot", traces, {
     ...LAYOUT, barmode: "stack", showlegend: false, title: { text: "served throughput (samples/s)" },
@@ -118,7 +146,7 @@ function renderStages(state) {
       `(delivered ${stage.delivered_throughput.toFixed(1)}) · ${stage.online_peers} online` +
       (stage.joining_peers ? ` + ${stage.joining_peers} joining` : "") + ` · ${stage.averaging_rounds} rounds: `;
     li.appendChild(facts);
-    for (const peer of state.peers.filter((p) => p.stage === stage.stage)) {
+    for (const peer of state.peers.filter((p) => holds(p, stage.stage))) {
       const chip = document.createElement("span");
       chip.className = `chip ${peer.status}`;
       chip.textContent = `${peerLabel(peer)} ${peer.throughput.toFixed(1)}/s`;
@@ -127,6 +155,34 @@ function renderStages(state) {
     }
     if (!stage.online_peers) li.appendChild(document.createTextNode(" not served"));
     list.appendChild(li);
+  }
+}
+
+// one box per stage: the peers online that hold it and the samples/s they take together (peer-status' counts: a
+// span peer in every stage of its span); a stage held by THIN_PEERS or fewer stands out, one held by none more
+const THIN_PEERS = 1;
+
+function renderCoverage(state) {
+  const list = document.getElementById("coverage");
+  list.replaceChildren();
+  for (const stage of state.stages) {
+    const box = document.createElement("li");
+    const thin = stage.online_peers <= THIN_PEERS;
+    box.className = `coverage-stage${thin ? " thin" : ""}${stage.online_peers ? "" : " unserved"}`;
+    box.dataset.stage = stage.stage;
+    box.title = `layers ${stage.layers[0]}..${stage.layers[1] - 1}` +
+      (stage.joining_peers ? `, ${stage.joining_peers} joining` : "") + (thin ? ": held by few peers" : "");
+    for (const [className, text] of [
+      ["coverage-name", `stage ${stage.stage}`],
+      ["coverage-peers", `${stage.online_peers} peer${stage.online_peers === 1 ? "" : "s"}`],
+      ["coverage-throughput", `${stage.throughput.toFixed(1)} samples/s`],
+    ]) {
+      const line = document.createElement("span");
+      line.className = className;
+      line.textContent = text;
+      box.appendChild(line);
+    }
+    list.appendChild(box);
   }
 }
 
@@ -141,13 +197,14 @@ function renderPeers(state) {
     row.dataset.peerId = p.peer_id;
     cell(row, p.short_id).title = p.peer_id;
     cell(row, p.public_name || "-");
-    cell(row, String(p.stage));
+    cell(row, spanText(p.span), "span");
     cell(row, p.status, `status-${p.status}`);
     cell(row, `${p.throughput.toFixed(1)}/s`, "n");
     cell(row, `${p.delivered_throughput.toFixed(1)}/s`, "n");
     cell(row, count(p.samples_served), "n");
     cell(row, count(p.attested_samples), "n");
     cell(row, String(p.outstanding), "n");
+    cell(row, memoryText(p), "memory");
     cell(row, duration(p.uptime), "n");
     cell(row, `${duration(p.last_seen)} ago`, "n");
     cell(row, p.device);
@@ -207,6 +264,7 @@ async function refresh() {
       getJSON("/api/v1/state"), getJSON(`/api/v1/history?window=${windowName}`), getJSON("/api/v1/leaderboard"),
     ]);
     renderHealth(state);
+    renderCoverage(state);
     renderStages(state);
     renderPeers(state);
     renderLeaderboard(board);
