@@ -293,6 +293,13 @@ def print_event(event: Event, as_json: bool) -> None:
             f"took the state of stage {f['stage']} {origin.get(f['source'], 'afresh (nobody had it)')}: "
             f"{f['optimizer_steps']} optimizer steps, averaging round {f['averaging_round']}"
         )
+    elif event.kind == EventKind.OUT_OF_MEMORY:
+        shed = {"smaller_window": "kept fewer microbatches", "shorter_span": "dropping the span's last stage"}
+        text = (
+            f"stage {f['stage']} ran out of memory ({f['error']}); answered busy, "
+            f"{shed.get(f['action'], 'nothing more to shed')}: keeps {f['kept_microbatches']} microbatches' "
+            f"activations ({f['out_of_memory']} out-of-memory errors so far)"
+        )
     else:
         text = f"averaging round {f['round']} of stage {f['stage']}: {f['outcome']}"
         if f["group_size"]:

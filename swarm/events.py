@@ -1,4 +1,5 @@
-"""Events a peer reports to its program: it moved, it took a stage's state, an averaging round's outcome.
+"""Events a peer reports to its program: it moved, it took a stage's state, an averaging round's outcome, it ran
+out of memory.
 
 They are structured so that programs print them (`swarm-peer --json` prints each as one JSON line the moment it
 happens) and benchmarks and tests read their fields, never the wording of log messages. The library only calls
@@ -11,6 +12,8 @@ Fields, by kind (every event also has `event`, its kind, and `at`, the Unix time
 - averaging_round: `stage`, `round`, `outcome` (applied, skipped, dropped, alone or caught_up), `group_size`,
   `change` (relative change of the parameters, 0 unless applied), `matchmaking_seconds` and `allreduce_seconds`
   (how long finding the group and the all-reduce took; 0 unless applied)
+- out_of_memory: `stage`, `action` (smaller_window, shorter_span or busy: swarm/server/shedding.py),
+  `kept_microbatches` (the window from now on), `out_of_memory` (such errors at this stage so far), `error` (one line)
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class EventKind(StrEnum):
     MOVED = "moved"
     STATE_TAKEN = "state_taken"
     AVERAGING_ROUND = "averaging_round"
+    OUT_OF_MEMORY = "out_of_memory"  # a request ran out of memory: it was answered busy, and the stage shed work
 
 
 class StateSource(StrEnum):

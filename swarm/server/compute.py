@@ -340,6 +340,18 @@ class StageCompute:
         while len(self._cache) > self._max_cached:
             self._cache.popitem(last=False)
 
+    @property
+    def kept_microbatches(self) -> int:
+        """How many forwards' activations are kept for their backward (the window; server/shedding.py)."""
+        return self._max_cached
+
+    def keep_fewer_forwards(self, limit: int) -> None:
+        """Out of memory (server/shedding.py): keep at most `limit` forwards' activations from now on, and drop the
+        oldest beyond it now (their backward recomputes forward from the inputs it carries)."""
+        self._max_cached = limit
+        while len(self._cache) > limit:
+            self._cache.popitem(last=False)
+
     def forget_forwards(self, keys: list[tuple[str, str]]) -> None:
         """Drop the cached forwards of these (caller, microbatch id)s: their step gate slots were given up."""
         for key in keys:

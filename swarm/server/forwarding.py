@@ -163,6 +163,8 @@ class Forwarder:
             onward = decode_onward(metadata, self.manifest, fields.stage)
         except BadRequestError as e:
             return path.error_reply("train", caller, e)
+        if fields.stage != self.stage:  # a stage this peer left (the caller's records are older): before any wait
+            return path.error_reply("train", caller, WrongStageError(f"this peer does not serve stage {fields.stage}"))
         deadline = arrival + onward.budget
         if not fields.train:
             reply, _ = await self._hop(request, caller, fields, onward, arrival, deadline)

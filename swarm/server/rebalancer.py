@@ -71,6 +71,8 @@ class Rebalancer:
         self.lengths: list[int] = []  # how many stages fit from each start (at most 1 without spans)
         self.work = stage_work(self.manifest)  # each stage's compute, in blocks
         self.per_block: Throughput | None = None  # measured: compute through one block, and the network
+        self._one_move = asyncio.Lock()  # a balance check's move and one that sheds a stage never interleave
+        self._shortening: asyncio.Task | None = None  # dropping a stage after running out of memory
 
     @property
     def server(self) -> StageServer | None:
@@ -261,6 +263,31 @@ class Rebalancer:
     async def move(self, start: int, end: int | None = None) -> bool:
         """Move to stages [start, end) (one stage if `end` is None; see the module's docstring): the stages it does
         not serve yet are taken over first, then it leaves the ones it no longer serves. False if called off."""
+        async with self._one_move:
+            return await self._move(start, end)
+
+    def shorten_span(self) -> bool:
+        """Out of memory with the fewest kept microbatches (server/shedding.py): drop the span's last stage in the
+        background (a move, called off if this peer is that stage's last online one); balancing keeps it shorter.
+        False if it cannot now: it serves one stage, or a shortening is under way."""
+        if self.span is None or len(self.servers) < 2 or (self._shortening and not self._shortening.done()):
+            return False
+        self._shortening = asyncio.ensure_future(self._shorten(*self.span))
+        return True
+
+    async def _shorten(self, start: int, end: int) -> None:
+        async with self._one_move:
+            if self.span != (start, end):  # it moved meanwhile: the new span is another question
+                return
+            try:
+                shorter = await self._move(start, end - 1)
+            except Exception as e:  # the peer goes on serving its span, answering what runs out 'busy'
+                logger.warning(f"dropping stage {end - 1} after running out of memory failed: {e!r}")
+                return
+        if shorter:  # what its memory was measured to hold at start, it did not: balancing keeps it shorter
+            self.lengths = [min(length, end - 1 - start) for length in self.lengths]
+
+    async def _move(self, start: int, end: int | None = None) -> bool:
         end = start + 1 if end is None else end
         old = {server.stage: server for server in self.servers}
         assert old, "start first"
@@ -358,9 +385,12 @@ class Rebalancer:
         self.servers = servers
         for server in servers:
             server.memory_available = self.budget.limit if self.budget is not None else 0
+            server.shorten_span = self.shorten_span if len(servers) > 1 else None  # a stage that runs out of memory
         self.on_switch(servers)
 
     async def shutdown(self) -> None:
+        if self._shortening is not None:
+            self._shortening.cancel()
         await _shutdown(self.servers)
 
 

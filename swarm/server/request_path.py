@@ -7,7 +7,9 @@ sender is banned or this peer cannot take it now (swarm/server/admission.py). Ta
 sender's request slots until its work in the worker is done, even if the caller has given up meanwhile: a
 cancelled call still occupies the worker until its turn has passed, and the slots say how loaded the worker
 is. An exception the work raises becomes the reply, with the code the one map of swarm/wire/codes.py gives it;
-a bad request also counts against its sender (who is banned if it keeps sending them).
+a bad request also counts against its sender (who is banned if it keeps sending them). An out-of-memory error is
+no bug of the request's: the stage sheds what server/shedding.py says, in the worker before its next request, and
+answers `busy` (the hop before tries another peer of the stage); `on_out_of_memory` reports it.
 
 Work that will produce a gradient here first takes a slot of the stage's step gate (swarm/server/step_gate.py,
 when `training.pipelining` is `flush`): it may wait there for the stage's next optimizer step, holding one of its
@@ -18,16 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
 from hivemind.proto import runtime_pb2
 
 from swarm.dht.records import PeerState
 from swarm.server.admission import Admission
 from swarm.server.compute import StageCompute
+from swarm.server.shedding import MIN_KEPT, Shedding, describe, is_out_of_memory, shed
 from swarm.server.step_gate import Key, StepGate
 from swarm.server.worker import StageWorker
 from swarm.wire.codes import ErrorCode, code_of
@@ -45,6 +51,15 @@ class _Failed:
     error: Exception
 
 
+@dataclass
+class _OutOfMemory:
+    """A request's work ran out of memory: the error, in a line (the error itself, whose traceback holds the failed
+    request's tensors, is let go), and what the stage shed about it."""
+
+    message: str
+    shedding: Shedding
+
+
 class RequestPath:
     """Admission and the worker of one served stage, as every request of the stage uses them."""
 
@@ -53,6 +68,12 @@ class RequestPath:
         self.admission, self.worker, self.state = admission, worker, state
         self.errors: collections.Counter[ErrorCode] = collections.Counter()  # error replies to work, by code
         self.gate = StepGate(step_slots, self.forget) if step_slots > 0 else None
+        self.out_of_memory = 0  # requests whose work ran out of memory (answered busy)
+        # set by the StageServer: whether its peer can drop a stage now (asked in the worker thread), and what to do
+        # with each out-of-memory error once answered (on the event loop)
+        self.can_shorten: Callable[[], bool] = lambda: False
+        self.on_out_of_memory: Callable[[Shedding, str], None] = lambda shedding, message: None
+        self._floor_times: tuple[float, ...] = ()  # the worker's: see server/shedding.py
 
     async def take_gradient_slot(self, caller: str, key: Key, expires: float, wait_until: float, pinned: bool = False):
         """Before work that will produce a gradient here: None once `key` holds a slot of the step gate (at once
@@ -92,11 +113,15 @@ class RequestPath:
         its forward was taken on, is never refused)."""
         admission = self.admission
         admission.take_slot(caller)
-        future = self.worker.submit(lambda compute: _attempt(work, compute))
+        future = self.worker.submit(lambda compute: self._attempt(work, compute))
         future.add_done_callback(lambda _: admission.release_slot(caller))
         result = await asyncio.shield(future)
         if isinstance(result, _Failed):
             return self.error_reply(kind, caller, result.error)
+        if isinstance(result, _OutOfMemory):
+            self.out_of_memory += 1
+            self.on_out_of_memory(result.shedding, result.message)
+            return admission.busy(f"this peer ran out of memory ({result.message}); try another peer")
         return result
 
     def error_reply(self, kind: str, caller: str, error: Exception) -> runtime_pb2.ExpertResponse:
@@ -111,10 +136,26 @@ class RequestPath:
             return make_error_reply(f"internal error on the stage peer: {type(error).__name__}: {error}", code)
         return make_error_reply(str(error), code)
 
+    def _attempt(self, work: Callable[[StageCompute], T], compute: StageCompute) -> T | _Failed | _OutOfMemory:
+        """In the worker: `work(compute)`, or what stopped it (never raises: one request's failure is its own)."""
+        try:
+            return work(compute)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                return _Failed(error)
+            message = describe(error)
+        # out of the except block, the error and its traceback are gone, and with them the tensors of the request
+        # that ran out: only now can shedding free memory
+        return _OutOfMemory(message, self._shed(compute))
 
-def _attempt(work: Callable[[StageCompute], T], compute: StageCompute) -> T | _Failed:
-    """In the worker: `work(compute)`, or what stopped it (never raises: one request's failure is its own)."""
-    try:
-        return work(compute)
-    except Exception as error:
-        return _Failed(error)
+    def _shed(self, compute: StageCompute) -> Shedding:
+        """In the worker, before its next request: a smaller window (server/shedding.py), and memory given back."""
+        # the last stage keeps no activations (its backward follows its forward at once): no window to shed there
+        window = MIN_KEPT if compute.last else compute.kept_microbatches
+        shedding = shed(window, self._floor_times, time.monotonic(), self.can_shorten())
+        self._floor_times = shedding.floor_times
+        compute.keep_fewer_forwards(shedding.kept)
+        gc.collect()  # tensors held only by reference cycles (autograd graphs, tracebacks) go now, not some time
+        if compute.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the allocator caches is free for the next request's allocations
+        return shedding

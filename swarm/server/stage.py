@@ -10,6 +10,10 @@ Lifecycle: `join` announces the peer as joining the stage (others count it in, a
 while server/takeover.py loads the stage's state into it (`load_state`); `start` registers the handlers and
 announces it online; `drain` stops taking requests and waits for those in flight; `shutdown` announces it
 offline, removes the handlers, lets the worker finish, saves a last checkpoint and stops the averager.
+
+Out of memory while serving: the request that ran out is answered `busy` and the stage sheds (server/shedding.py);
+this module reports each such error as an `out_of_memory` event and, when the policy says so, asks the peer's
+rebalancer to drop the last stage of its span (`shorten_span`, set while the peer serves more than one stage).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +34,7 @@ from swarm.averaging.averager import StageAverager
 from swarm.capacity.budget import memory_in_use
 from swarm.dht.announcement_cache import AnnouncementCache
 from swarm.dht.records import PeerState
-from swarm.events import OnEvent, ignore
+from swarm.events import Event, EventKind, OnEvent, ignore
 from swarm.manifests.manifest import Manifest
 from swarm.network.coordinates import Vivaldi
 from swarm.server.admission import Admission
@@ -41,6 +46,7 @@ from swarm.server.forwarding import Forwarder
 from swarm.server.request_path import RequestPath
 from swarm.server.rounds import AveragingRounds, RoundCounters
 from swarm.server.service import StageService
+from swarm.server.shedding import ShedAction, Shedding
 from swarm.server.worker import StageWorker
 from swarm.throughput import DeliveredThroughput, SimulatedSpeed, Throughput, device_name
 from swarm.watch.stats import StageStats, Traffic
@@ -95,6 +101,10 @@ class StageServer:
         self.state = PeerState.JOINING
         slots = manifest.training.microbatches_per_step if manifest.training.pipelining == "flush" else 0
         self.requests = RequestPath(self.admission, self.worker, lambda: self.state, slots)  # one path for all
+        # the rebalancer's, while this peer serves several stages: drop the span's last one (False: it cannot now)
+        self.shorten_span: Callable[[], bool] | None = None
+        self.requests.can_shorten = lambda: self.shorten_span is not None
+        self.requests.on_out_of_memory = self._out_of_memory
         self.forwarder = Forwarder(manifest, stage, peer_id, self.requests, self.traffic)
         self.service = StageService(manifest, stage, self.requests, self.traffic, self.forwarder)
         facts = PeerFacts(
@@ -223,6 +233,20 @@ class StageServer:
         """One request from this peer itself (libp2p cannot dial itself)."""
         return await self.service.handle(kind, request, caller)
 
+    def _out_of_memory(self, shedding: Shedding, message: str) -> None:
+        """A request ran out of memory and was answered busy; the worker has shed what `shedding` says. Report it,
+        and ask for a shorter span if that is what it says (on the event loop, so the move may start at once)."""
+        action = shedding.action
+        if action == ShedAction.SHORTER_SPAN and not (self.shorten_span is not None and self.shorten_span()):
+            action = ShedAction.BUSY  # a shortening is under way already, or the span became one stage meanwhile
+        count = self.requests.out_of_memory
+        logger.warning(
+            f"stage {self.stage} ran out of memory ({message}); {action}: keeping {shedding.kept} microbatches' "
+            f"activations ({count} out-of-memory errors so far)"
+        )
+        details = {"stage": self.stage, "action": str(action), "kept_microbatches": shedding.kept}
+        self.on_event(Event(EventKind.OUT_OF_MEMORY, {**details, "out_of_memory": count, "error": message}))
+
     # -------------------------------------------------------------------------------------------- figures
 
     def stats(self) -> StageStats:
@@ -262,6 +286,8 @@ class StageServer:
             averaging_exclusions=self.rounds.averager.exclusions if self.rounds is not None else 0,
             staleness_mean=counters.staleness_mean,
             staleness_max=counters.staleness_max,
+            out_of_memory=self.requests.out_of_memory,
+            kept_microbatches=self.worker.kept_microbatches,
             gate_waiting=gate.waiting if gate is not None else 0,
             gate_waited=gate.waited if gate is not None else 0,
             gate_expired=gate.expired if gate is not None else 0,
@@ -282,8 +308,13 @@ class StageServer:
         return await self._write_checkpoint(items, counters)
 
     async def _save_checkpoint_of(self, compute: StageCompute) -> Path | None:
-        """On shutdown, once the worker is done: the state is read here."""
-        items, counters = compute.snapshot()
+        """On shutdown, once the worker is done: the state is read here. None if that failed (logged): a peer that
+        drops a stage because it ran out of memory may not have the memory for the copy, and must go on serving."""
+        try:
+            items, counters = compute.snapshot()
+        except Exception as e:
+            logger.error(f"taking a snapshot of stage {self.stage} for its last checkpoint failed: {e!r}")
+            return None
         return await self._write_checkpoint(items, counters)
 
     async def _write_checkpoint(self, items: list[tuple[str, torch.Tensor]], counters: dict[str, int]) -> Path | None:

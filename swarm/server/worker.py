@@ -24,6 +24,11 @@ class StageWorker:
         self.seconds_per_request = 0.0  # EMA of the worker's time per request (0 until the first one)
         self._used = False
 
+    @property
+    def kept_microbatches(self) -> int:
+        """How many forwards' activations the compute keeps now (an int: a read from another thread is safe)."""
+        return self._compute.kept_microbatches
+
     def before_first_task(self, fn: Callable[[StageCompute], T]) -> T:
         """`fn(compute)` here and now, allowed only before the worker has been given any task (nothing can race
         then). For what must happen on the main thread: creating a hivemind averager forks a process."""

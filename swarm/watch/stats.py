@@ -64,6 +64,8 @@ class StageStats:
     gate_expired: int = 0  # slots given up because their backward did not come
     memory_used: int = 0  # bytes the peer holds (GPU memory reserved, or its resident memory on a CPU)
     memory_available: int = 0  # bytes it may use (measured at start, or --max-memory); 0: not measured
+    out_of_memory: int = 0  # requests that ran out of memory here (answered busy; the stage shed work)
+    kept_microbatches: int = 0  # microbatches whose activations it keeps for backward now (shrinks on out of memory)
 
     def to_dict(self) -> dict[str, Any]:
         """As the status line prints it."""
