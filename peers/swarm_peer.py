@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         if identity_path is not None:
             startup.remember_identity(identity_path)
         device = runtime.resolve_device(args.device)
+        if args.offload_optimizer and device.type != "cuda":
+            print("--offload-optimizer has no effect on a CPU peer: its optimizer is in RAM already", flush=True)
         if args.threads:
             torch.set_num_threads(args.threads)
     except SwarmError as e:
@@ -173,6 +175,7 @@ async def run_peer(
         maddrs=announceable(maddrs) if args.reachable else (),  # nobody can dial an unreachable peer
         max_memory=args.max_memory,
         span=args.span,
+        offload_optimizer=args.offload_optimizer,
     )
     training = TrainingOptions(
         enabled=args.trainer,

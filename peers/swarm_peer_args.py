@@ -31,6 +31,8 @@ examples:
       train without serving a stage (a machine whose memory holds none)
   swarm-peer --join my-swarm.json --max-memory 6GB
       leave the rest of the GPU to others: serve only a stage that fits in 6 GB (swarm-plan shows what fits)
+  swarm-peer --join my-swarm.json --offload-optimizer
+      an 8 GB card in a swarm of larger ones: AdamW's statistics in RAM, so the GPU holds more blocks
   swarm-peer --join my-swarm.json --throughput eval --bandwidth 50
       measure compute throughput again (not from the cache) and take the link as 50 Mbit/s
   swarm-peer --join my-swarm.json --checkpoint-dir /data/ckpt --checkpoint-every 60
@@ -170,6 +172,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SIZE",
         help="use at most this much GPU memory (RAM on a CPU), e.g. 6GB on a machine you share (default: what is "
         "free); the peer serves only stages that fit, and says so if none does",
+    )
+    parser.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="keep the optimizer's statistics (AdamW's moments, 8 bytes a parameter) in RAM between steps: a small "
+        "GPU holds more blocks, each optimizer step copies them through the GPU (no effect on a CPU peer)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: never)")

@@ -29,6 +29,8 @@ examples:
       a manifest you wrote (a path or a URL), on 12 GB cards whose peers keep 4 microbatches' activations
   swarm-plan --join my-swarm.json --expect 4x16GB@1TF/100mbit --cpu
       the same on CPU machines with 16 GB of RAM free (float32, as CPU peers compute)
+  swarm-plan --preset llama-1b --stages 22 --spans --expect 20x8GB@40TF/50mbit --offload-optimizer
+      the same 8 GB cards with AdamW's statistics in RAM: more blocks each
   swarm-plan --preset llama-1b --expect 8GB@40TF/50mbit --json
       the plan as JSON: per kind of machine its blocks and memory_bytes; tokens_per_second and bottleneck
 
@@ -61,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"microbatches whose activations a peer keeps for backward (default {KEPT_MICROBATCHES})",
     )
     parser.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="the peers run with --offload-optimizer: AdamW's statistics in RAM, more blocks on each GPU",
+    )
+    parser.add_argument(
         "--cpu",
         action="store_true",
         help="the machines are CPUs: MEMORY is their RAM, weights and activations float32 (as a CPU peer computes)",
@@ -86,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             spans = {"spans": True} if args.spans else None
             manifest = new_manifest("plan", args.preset, stages=args.stages, balancing=spans)
-        plans = make_plans(manifest, args.expect, args.kept_microbatches, args.mfu, cuda=not args.cpu)
+        memory = MemorySettings(args.offload_optimizer and not args.cpu, args.kept_microbatches, cuda=not args.cpu)
+        plans = make_plans(manifest, args.expect, memory, args.mfu)
     except SwarmError as e:
         print(f"swarm-plan: error: {e}", file=sys.stderr)
         return 2
@@ -98,12 +106,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def make_plans(
-    manifest: Manifest, expect: str, kept: int = KEPT_MICROBATCHES, mfu: float = MFU, cuda: bool = True
+    manifest: Manifest, expect: str, settings: MemorySettings = MemorySettings(), mfu: float = MFU
 ) -> tuple[SwarmPlan, SwarmPlan]:
     """What the swarm's peers would do (spans if its manifest says so, else one stage each), and the other way to
     compare: (spans, fixed stages)."""
     kinds = parse_expect(expect)
-    settings = MemorySettings(kept_microbatches=kept, cuda=cuda)
     return (
         plan_swarm(manifest, kinds, settings, spans=True, mfu=mfu),
         plan_swarm(manifest, kinds, settings, spans=False, mfu=mfu),
@@ -146,7 +153,9 @@ def print_plans(spans: SwarmPlan, fixed: SwarmPlan, cpu: bool = False) -> None:
             format_memory(span_kind.host_bytes) if serving else "-",
             f"{span_kind.samples_per_second:.2f} ({span_kind.bound})" if serving else "trainer only",
             served or "-",
-            f"{fixed_kind.blocks} blocks" if fixed_kind.serving else "[red]none fit[/red]",
+            f"{fixed_kind.blocks} block{'s' if fixed_kind.blocks != 1 else ''}"
+            if fixed_kind.serving
+            else "[red]none fit[/red]",
         )
     console.print(table)
     for plan in (spans, fixed):

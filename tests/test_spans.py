@@ -27,7 +27,9 @@ def span_manifest(**overrides):
 
 def test_misaligned_spans_train_and_a_peer_leaving_mid_span_is_routed_around(start_peer, write_manifest):
     raw = span_manifest()
-    first = start_peer(write_manifest(raw), "--stage", "0", "--span", "2", "--no-trainer", "--status-every", "1")
+    first = start_peer(
+        write_manifest(raw), "--stage", "0", "--span", "2", "--no-trainer", "--status-every", "1", "--offload-optimizer"
+    )
     raw["initial_peers"] = [first.maddr()]
     joined = write_manifest(raw, "joined.json")
     middle = start_peer(joined, "--stage", "1", "--span", "3", "--no-trainer", "--status-every", "1")
@@ -43,6 +45,7 @@ def test_misaligned_spans_train_and_a_peer_leaving_mid_span_is_routed_around(sta
         for name, peer in (("first", first), ("middle", middle), ("tail", tail))
     }
     assert all(line["samples_served"] > 0 for line in served.values()), served
+    assert "--offload-optimizer has no effect on a CPU peer" in first.output()
 
     # peers average each stage they share, whatever spans they serve: stage 1 (first and middle), stages 2 and 3
     # (middle and tail); the first peer's stage 0 has no partner

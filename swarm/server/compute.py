@@ -30,6 +30,7 @@ from swarm.errors import (
     WrongStageError,
 )
 from swarm.manifests.manifest import Manifest
+from swarm.server.offload import OffloadedStatistics
 from swarm.server.precision import LossScaler
 from swarm.server.staleness import StalenessControl
 from swarm.throughput import FORWARD_SHARE, SimulatedSpeed
@@ -85,6 +86,7 @@ class StageCompute:
         device: torch.device,
         simulated: SimulatedSpeed | None = None,
         kept_microbatches: int | None = None,
+        offload_optimizer: bool = False,
     ):
         self.manifest, self.stage, self.device = manifest, stage, device
         self.model = model.to(device)
@@ -94,6 +96,8 @@ class StageCompute:
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.optimizer = make_optimizer(manifest, self.params)
+        # --offload-optimizer on a GPU: the statistics in RAM between steps (server/offload.py)
+        self.offloaded = OffloadedStatistics(self.optimizer, device) if offload_optimizer else None
         self.staleness = StalenessControl(self.optimizer, manifest.training.delay_scaled_lr)
         self.scaler = LossScaler(enabled=manifest.training.precision == "float16")  # server/precision.py
         self.averager: StageAverager | None = None  # attached when the stage averages (server/rounds.py)
@@ -322,7 +326,10 @@ class StageCompute:
             if self.manifest.training.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.manifest.training.max_grad_norm)
             self.staleness.before_step()  # a smaller rate for late gradients (server/staleness.py)
-            self.optimizer.step()
+            if self.offloaded is not None:
+                self.offloaded.step()
+            else:
+                self.optimizer.step()
             self.counters.optimizer_steps += 1
         finally:  # even if the step failed: one bad step must not make every later backward fail again
             self.optimizer.zero_grad(set_to_none=True)
@@ -407,6 +414,8 @@ class StageCompute:
         )
         if self.averager is not None:
             self.averager.load_outer_state(outer)
+        if self.offloaded is not None:
+            self.offloaded.offload()  # load_state_tensors put the statistics on the device
         self.counters.optimizer_steps = counters.get("optimizer_steps", 0)
         self.counters.averaging_round = counters.get("averaging_round", 0)
         self.weights_version += 1

@@ -66,7 +66,8 @@ class Rebalancer:
         self.rng = random.Random()
         self.servers: list[StageServer] = []
         self.moves = 0
-        self.memory = MemorySettings(cuda=context.device.type == "cuda")
+        cuda = context.device.type == "cuda"
+        self.memory = MemorySettings(offload_optimizer=options.offload_optimizer and cuda, cuda=cuda)
         self.budget: MemoryBudget | None = None  # measured at start
         self.lengths: list[int] = []  # how many stages fit from each start (at most 1 without spans)
         self.work = stage_work(self.manifest)  # each stage's compute, in blocks

@@ -69,6 +69,7 @@ class ServingOptions:
     reachable: bool = True  # others can dial this peer (server/reachability.py)
     maddrs: tuple[str, ...] = ()  # its addresses, announced
     max_memory: int | None = None  # --max-memory: bytes this peer may use at most (capacity/budget.py)
+    offload_optimizer: bool = False  # --offload-optimizer: the optimizer's statistics in RAM (server/offload.py)
 
 
 class StageServer:
@@ -96,7 +97,8 @@ class StageServer:
         self.traffic = traffic if traffic is not None else Traffic()
         self.layers = model.layers
         self.parameter_count = sum(p.numel() for p in model.parameters())
-        self.worker = StageWorker(StageCompute(manifest, stage, model, device, simulated, kept_microbatches))
+        offload = options.offload_optimizer and device.type == "cuda"  # a CPU's optimizer is in RAM already
+        self.worker = StageWorker(StageCompute(manifest, stage, model, device, simulated, kept_microbatches, offload))
         self.admission = Admission(manifest, peer_id)
         self.state = PeerState.JOINING
         slots = manifest.training.microbatches_per_step if manifest.training.pipelining == "flush" else 0
