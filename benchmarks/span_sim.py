@@ -14,7 +14,10 @@ Peers arrive as a Poisson process that keeps about --peers present (the first ov
 session (--session-hours), leave without warning. A joining peer takes JOIN_SECONDS before it serves (the state
 download); every --check-period (x 0.5-1.5) an online peer asks better_span (min_gain 0.1) and moves if told to.
 Every simulated minute: the swarm's throughput (its weakest stage, in tokens/s) and its share of upper_bound (no
-placement of the same peers does better), and the share of present volunteers serving.
+placement of the same peers does better), and the share of present volunteers serving. Every 10 minutes, its share
+of a reference placement (the best of several from scratch, refined by moves: a stand-in for the optimum) of the
+peers that could be serving (present for JOIN_SECONDS at least: no placement serves with a peer still downloading
+its state), and of all present peers ("instant": as if newcomers served at once).
 
 The volunteers' GPUs: the NVIDIA cards of 6 GB and more that lead the Steam Hardware & Software Survey
 (2025-2026: 8 GB about 30% of all systems, 12 GB 19%, 6 GB 10%, 16 GB 7.5%; RTX 3060, 4060 (desktop and laptop),
@@ -68,7 +71,6 @@ WARMUP = 600.0
 JOIN_SECONDS = 60.0
 SAMPLE_PERIOD = 60.0
 STEP = 10.0
-MIN_GAIN = 0.1
 REFERENCE_PERIOD = 600.0  # seconds between two computations of the reference placement (it takes a while)
 REFERENCE_TRIES = 4
 REFINE_PASSES = 10
@@ -128,6 +130,7 @@ class Swarm:
 
     def __init__(self, manifest: Manifest, spans: bool, rng: random.Random):
         self.manifest, self.spans, self.rng = manifest, spans, rng
+        self.min_gain = manifest.balancing.min_gain
         self.work = stage_work(manifest)
         self.peers: dict[int, SpanPeer] = {}
         self.ready: dict[int, float] = {}  # when a joining (or moving) peer starts serving its span
@@ -171,7 +174,7 @@ class Swarm:
         self.next_check[number] = now + self._check_delay()
         peer = self.peers[number]
         others = [p for n, p in self.peers.items() if n != number]
-        span = better_span(peer, others, self.lengths_of(volunteer), self.work, self.rng, MIN_GAIN)
+        span = better_span(peer, others, self.lengths_of(volunteer), self.work, self.rng, self.min_gain)
         if span is not None and now >= self.ready[number]:
             self.moving_from[number] = peer  # it downloads the new span's state, serving the old one meanwhile
             self.peers[number] = SpanPeer(peer.peer_id, peer.compute, peer.network, *span)
@@ -210,8 +213,15 @@ class Swarm:
             "participation": len(self.peers) / max(len(present), 1),
         }
         if with_reference:
-            reference = self.reference(candidates, present) * self.manifest.model.context_length
+            # the best placement of the peers that could be serving now: those that arrived at least JOIN_SECONDS
+            # ago (no placement lets a peer serve before it has downloaded its span's state)
+            could = {str(v.number) for v in present if v.arrives + JOIN_SECONDS <= now}
+            settled = [c for c in candidates if c.peer_id in could]
+            reference = self.reference(settled, present) * self.manifest.model.context_length
             sample["share_of_reference"] = tokens / max(reference, tokens, 1e-9)
+            # ... and of every peer present, as if a newcomer served at once (the stricter figure)
+            instant = self.reference(candidates, present) * self.manifest.model.context_length
+            sample["share_of_instant_reference"] = tokens / max(instant, tokens, 1e-9)
         return sample
 
     def reference(self, candidates: list[SpanPeer], present: list[Volunteer]) -> float:
@@ -268,6 +278,7 @@ def run(manifest: Manifest, spans: bool, people: list[Volunteer], hours: float, 
     tokens = [s["tokens_per_second"] for s in samples]
     participation = [s["participation"] for s in samples]
     references = [s["share_of_reference"] for s in samples if "share_of_reference" in s]
+    instant = [s["share_of_instant_reference"] for s in samples if "share_of_instant_reference" in s]
     return {
         "stages": manifest.num_stages,
         "tokens_per_second_mean": round(sum(tokens) / len(tokens), 1),
@@ -277,6 +288,9 @@ def run(manifest: Manifest, spans: bool, people: list[Volunteer], hours: float, 
         "share_of_bound_p5": round(sorted(shares)[len(shares) // 20], 3),
         "share_of_reference_mean": round(sum(references) / len(references), 3),
         "share_of_reference_min": round(min(references), 3),
+        "share_of_reference_p10": round(sorted(references)[len(references) // 10], 3),
+        "share_of_instant_reference_mean": round(sum(instant) / len(instant), 3),
+        "share_of_instant_reference_min": round(min(instant), 3),
         "participation_mean": round(sum(participation) / len(participation), 3),
         "moves": swarm.moves,
     }
@@ -289,6 +303,8 @@ def main() -> None:
     parser.add_argument("--session-hours", type=float, default=2.0, help="mean stay of a volunteer")
     parser.add_argument("--shapes", default="1b,7b")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default="fixed-24GB,fixed-8GB,spans", help="the swarms to run")
+    parser.add_argument("--min-gain", type=float, default=None, help="balancing.min_gain (default: the preset's)")
     args = parser.parse_args()
     result: dict = {"settings": vars(args), "gpus_at_least_8gb": sum(g[3] for g in GPUS if g[1] >= 8) / 100}
     began = time.monotonic()
@@ -296,16 +312,29 @@ def main() -> None:
         shape = shapes()[name]
         people = volunteers(args.peers, args.hours, args.session_hours, random.Random(args.seed))
         model = shape["model"]
+        balancing = None if args.min_gain is None else {"min_gain": args.min_gain}
         one_block = new_manifest(
-            name, shape["preset"], stages=(model or {}).get("depth", 22), model=model, training=shape["training"]
+            name,
+            shape["preset"],
+            stages=(model or {}).get("depth", 22),
+            model=model,
+            training=shape["training"],
+            balancing=balancing,
         )
         sized_24gb = new_manifest(
-            name, shape["preset"], stages=shape["fixed_24gb"], model=model, training=shape["training"]
+            name,
+            shape["preset"],
+            stages=shape["fixed_24gb"],
+            model=model,
+            training=shape["training"],
+            balancing=balancing,
         )
+        swarms = {"fixed-24GB": (sized_24gb, False), "fixed-8GB": (one_block, False), "spans": (one_block, True)}
+        modes = args.modes.split(",")
         result[name] = {
-            "fixed-24GB": run(sized_24gb, False, people, args.hours, args.seed),
-            "fixed-8GB": run(one_block, False, people, args.hours, args.seed),
-            "spans": run(one_block, True, people, args.hours, args.seed),
+            mode: run(manifest, spans, people, args.hours, args.seed)
+            for mode, (manifest, spans) in swarms.items()
+            if mode in modes
         }
         # who can take part at all: a span of at least one block somewhere
         fits = {
@@ -314,13 +343,14 @@ def main() -> None:
         }
         result[name]["gpus_that_fit_a_block"] = sorted(g for g, ok in fits.items() if ok)
         result[name]["gpus_that_do_not"] = sorted(g for g, ok in fits.items() if not ok)
-        for mode in ("fixed-24GB", "fixed-8GB", "spans"):
+        for mode in modes:
             r = result[name][mode]
             print(
                 f"{name} {mode:10s}: {r['stages']:2d} stages, {r['tokens_per_second_mean']:9.0f} tokens/s "
                 f"(min {r['tokens_per_second_min']:.0f}), share of bound mean {r['share_of_bound_mean']:.3f} "
                 f"min {r['share_of_bound_min']:.3f}; of reference mean {r['share_of_reference_mean']:.3f} "
-                f"min {r['share_of_reference_min']:.3f}; participation {r['participation_mean']:.2f}, "
+                f"min {r['share_of_reference_min']:.3f} (instant: mean {r['share_of_instant_reference_mean']:.3f} "
+                f"min {r['share_of_instant_reference_min']:.3f}); participation {r['participation_mean']:.2f}, "
                 f"{r['moves']} moves",
                 file=sys.stderr,
             )

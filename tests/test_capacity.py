@@ -149,6 +149,23 @@ def test_when_a_large_peer_leaves_one_small_peer_moves_to_cover_its_blocks():
     assert upper_bound(small_peers, [2, 2, 2], blocks) == pytest.approx(1.5)
 
 
+def test_in_a_swarm_of_many_peers_a_stage_a_move_worth_a_tenth_of_the_peer_itself_happens():
+    """20 peers of rate 1 on stage 0, 25 on stage 1, one of them could move: the bottleneck (20) rises by 1, 5% of
+    it, but all that peer brings. A threshold of 10% of the bottleneck would never let one peer move here; the
+    hysteresis is 10% of the peer's own rate. A move that gains less than that stays put."""
+    blocks, lengths = [1.0, 1.0], [1, 1]
+    crowd = [SpanPeer(f"a{i}", 1.0, float("inf"), 0, 1) for i in range(20)]
+    crowd += [SpanPeer(f"b{i}", 1.0, float("inf"), 1, 2) for i in range(24)]
+    mover = SpanPeer("m", 1.0, float("inf"), 1, 2)
+    assert better_span(mover, crowd, lengths, blocks, random.Random(0), min_gain=0.1) == (0, 1)
+    # balanced within one peer: moving would lower stage 1 below where stage 0 is now: no move
+    even = [SpanPeer(f"a{i}", 1.0, float("inf"), 0, 1) for i in range(20)]
+    even += [SpanPeer(f"b{i}", 1.0, float("inf"), 1, 2) for i in range(20)]
+    assert better_span(mover, even, lengths, blocks, random.Random(0), min_gain=0.1) is None
+    # the gain (1, its whole rate) is under a threshold of 150% of its own rate: it stays
+    assert better_span(mover, crowd, lengths, blocks, random.Random(0), min_gain=1.5) is None
+
+
 def test_with_spans_every_8gb_gpu_takes_part_in_a_1b_swarm():
     kinds = parse_expect("10x24GB@165TF/200mbit,20x8GB@40TF/50mbit")
     fixed = plan_swarm(new_manifest("x", "llama-1b"), kinds, spans=False)  # 4 stages of 5-6 blocks

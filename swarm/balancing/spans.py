@@ -110,7 +110,7 @@ def better_span(
     bottleneck itself, or, where several stages tie near it (one move cannot lift them all), the weakest stage the
     move helps without lowering a weaker one. Each move raises that sorted vector, so moves made one after another
     never cycle; min_gain is the hysteresis that keeps noise and stale records from moving peers back and forth
-    (a move costs a state download)."""
+    (a move costs a state download), as a share of the bottleneck or of the peer's own rate, whichever is less."""
     others = [o for o in others if o.peer_id != peer.peer_id]
     now = sorted(coverage([*others, peer], blocks_per_stage))
     start, end = choose_span(peer, others, lengths, blocks_per_stage, rng) or (peer.start, peer.end)
@@ -118,7 +118,10 @@ def better_span(
         return None
     moved = SpanPeer(peer.peer_id, peer.compute, peer.network, start, end)
     after = sorted(coverage([*others, moved], blocks_per_stage))
-    margin = min_gain * max(now[0] if now else 0.0, 1e-12)
+    # the hysteresis is relative to what this peer brings (its rate over its span) where that is less than the
+    # bottleneck: in a swarm of many peers a stage, no single move can lift the bottleneck by min_gain of itself
+    own = peer.rate(sum(blocks_per_stage[peer.start : peer.end])) if peer.end > peer.start else float("inf")
+    margin = min_gain * max(min(now[0] if now else 0.0, own), 1e-12)
     for before, later in zip(now, after):
         if abs(later - before) > 1e-9 * max(before, 1.0):
             return (start, end) if later > before + margin else None
