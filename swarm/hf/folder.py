@@ -78,7 +78,9 @@ def write_hf_folder(
     ids = _special_ids(tokenizer_json, special_tokens)
     hf = hf_config(config, eos_id=ids.get("eos_token"), bos_id=ids.get("bos_token"))
     hf["torch_dtype"] = dtype
-    generation = {"max_length": config.context_length, "do_sample": True, "temperature": 0.8, "top_k": 40}
+    # no max_length: generate(max_new_tokens=...) would warn that both are set; the model's context is in
+    # config.json (max_position_embeddings / n_positions) and tokenizer_config.json (model_max_length)
+    generation = {"do_sample": True, "temperature": 0.8, "top_k": 40}
     generation |= {"bos_token_id": ids.get("bos_token"), "eos_token_id": ids.get("eos_token")}
     tokens = {key: value for key, value in special_tokens.items() if value}
     tokenizer_config: dict[str, Any] = {

@@ -150,10 +150,10 @@ def hf_config(config: ModelConfig, eos_id: int | None = None, bos_id: int | None
             "initializer_range": 0.02,
             "torch_dtype": "float32",
         }
-    if eos_id is not None:
-        result["eos_token_id"] = eos_id
-    if bos_id is not None:
-        result["bos_token_id"] = bos_id
+    # written even when the swarm has none (null): transformers would fill in its own defaults, 50256 for a GPT-2
+    # config (outside a small vocabulary, with a warning on every load) or 1 and 2 for a Llama one (real tokens)
+    result["eos_token_id"] = eos_id
+    result["bos_token_id"] = bos_id
     return result
 
 
