@@ -50,3 +50,30 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+
+# what the p2p daemon's connection to this process raises when the remote peer of an incoming stream went away
+# before the daemon passed the stream on: hivemind's handler (p2p_daemon_bindings/control.py) does not catch it,
+# so asyncio logs it as "Unhandled exception in client_connected_cb" with a traceback that reads like a crash
+VANISHED_STREAM_ERRORS = (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError)
+
+
+class VanishedStreams(logging.Filter):
+    """Turns asyncio's error for an incoming stream whose peer vanished before it began into one debug line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if str(record.msg).startswith("Unhandled exception in client_connected_cb") and isinstance(
+            error, VANISHED_STREAM_ERRORS
+        ):
+            logging.getLogger("swarm.p2p").debug(f"an incoming stream ended before it began: {error!r}")
+            return False
+        return True
+
+
+def quiet_vanished_streams() -> None:
+    """Install VanishedStreams on asyncio's logger, before the DHT's process starts (it inherits it): every other
+    error asyncio logs is reported as before."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, VanishedStreams) for f in logger.filters):
+        logger.addFilter(VanishedStreams())

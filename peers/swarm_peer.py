@@ -37,6 +37,7 @@ logger = logging.getLogger("swarm-peer")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runtime.setup_logging(args.log_level)
+    runtime.quiet_vanished_streams()  # before the DHT process starts: it inherits the filter
     dht = None
     identity: PeerIdentity | None = None  # with --identity, its file stays locked while the peer runs
     try:
