@@ -198,6 +198,9 @@ def test_announceable_addresses_fit_a_record():
     announced = announceable(addrs)
     assert len(announced) == 8 and long not in announced and "/ip4/127.0.0.1/tcp/1" not in announced
     assert announceable(["/ip4/127.0.0.1/tcp/1"]) == ("/ip4/127.0.0.1/tcp/1",)  # loopback only: still announced
+    # a peer with a public address announces no loopback one, even with room left (issue 33: it did)
+    public = ["/ip4/127.0.0.1/tcp/1/p2p/Qm", "/ip6/::1/tcp/1/p2p/Qm", "/ip4/203.0.113.7/tcp/1/p2p/Qm"]
+    assert announceable(public) == ("/ip4/203.0.113.7/tcp/1/p2p/Qm",)
     record = dataclasses.replace(ann(PEER), maddrs=announced).to_record()
     assert parse_announcement(PEER, record, 0, 1.0).maddrs == announced
 

@@ -53,10 +53,12 @@ def is_loopback(addr: str) -> bool:
 
 
 def announceable(addrs: list[str]) -> tuple[str, ...]:
-    """The addresses a record can carry: short enough, loopback last, at most MAX_ADDRESSES."""
+    """The addresses a record can carry: short enough, at most MAX_ADDRESSES, and only those others could reach:
+    no loopback address beside another (a peer on another machine would dial its own loopback; in an
+    all-loopback swarm they are all there is)."""
     fitting = [a for a in addrs if len(a) <= MAX_TEXT]
-    fitting.sort(key=is_loopback)
-    return tuple(fitting[:MAX_ADDRESSES])
+    remote = [a for a in fitting if not is_loopback(a)]
+    return tuple((remote or fitting)[:MAX_ADDRESSES])
 
 
 def stage_key(swarm_id: str, stage: int) -> str:
