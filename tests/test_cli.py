@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -129,6 +130,21 @@ def test_bad_flags_are_refused(tmp_path, capsys, module, flags, expected):
     assert code == 2
     assert expected in out
     assert "Traceback" not in out
+
+
+def test_a_port_in_use_is_named_with_what_to_do(tmp_path):
+    """Even with initial peers in the manifest (once reported as "no initial peer could be reached")."""
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(tiny_manifest_dict(initial_peers=[dead])))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, _ = run("peers.swarm_peer", "--join", str(path), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}")
+    assert code == 2
+    assert f"port {port} of /ip4/127.0.0.1/tcp/{port} is in use by another program" in out, out
+    assert "choose another port in --host-maddrs" in out and "Traceback" not in out
 
 
 def test_unreachable_initial_peers_fail_fast(tmp_path):

@@ -9,6 +9,7 @@ other peers. What --join names, and whom a node bootstraps through, is swarm/dht
 
 from __future__ import annotations
 
+import re
 import socket
 import tempfile
 from pathlib import Path
@@ -90,14 +91,29 @@ def _start_dht(
         )
     except Exception as e:
         remove_stale_sockets(daemon_sockets() - sockets_before)
+        hint = start_failure_hint(str(e), initial_peers, host_maddrs)
+        raise PeerStartError(f"could not join the DHT: {hint} ({type(e).__name__}: {e})") from None
+
+
+def start_failure_hint(error: str, initial_peers: list[str], host_maddrs: list[str] | None) -> str:
+    """What went wrong when the DHT did not start, and what to do, from the daemon's error text."""
+    listening = ", ".join(host_maddrs or []) or "the default address"
+    port = re.search(r"(?:tcp|udp)4?6? [^ ]*:(\d+): bind", error)
+    if "address already in use" in error:
+        what = f"port {port.group(1)}" if port else "the port"
+        return (
+            f"{what} of {listening} is in use by another program (another swarm-peer?): stop it, or choose another "
+            "port in --host-maddrs (tcp/0 takes a free one)"
+        )
+    if "cannot assign requested address" in error:
+        return f"{listening} is not an address of this machine: listen on /ip4/0.0.0.0/tcp/PORT or one of its own"
+    if initial_peers:
         named = ", ".join(initial_peers[:3]) + (f" and {len(initial_peers) - 3} more" if len(initial_peers) > 3 else "")
-        hint = (
+        return (
             f"no initial peer could be reached ({named}); check that they are running and that their addresses "
             "are reachable from here"
-            if initial_peers
-            else "the DHT daemon did not start"
         )
-        raise PeerStartError(f"could not join the DHT: {hint} ({type(e).__name__}: {e})") from None
+    return "the DHT daemon did not start"
 
 
 def sign_records(dht: DHT, manifest: Manifest, identity: IdentityKey | None) -> None:
