@@ -27,8 +27,13 @@ def resolve_device(name: str) -> torch.device:
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise PeerStartError("--device cuda was asked for, but torch sees no CUDA GPU; use --device auto or cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise PeerStartError(f"--device {name} was asked for, but torch sees no CUDA GPU; use --device auto or cpu")
+    if name.startswith("cuda:") and int(name.split(":")[1]) >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise PeerStartError(
+            f"--device {name}: this machine has {count} GPU{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})"
+        )
     if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise PeerStartError("--device mps was asked for, but this torch has no MPS support; use --device auto or cpu")
     return torch.device(name)

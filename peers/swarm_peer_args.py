@@ -4,6 +4,7 @@ that go together or not). The program is peers/swarm_peer.py."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from peers import runtime
@@ -157,7 +158,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "0.0.0.0 lets a Prometheus on another machine scrape it)",
     )
     parser.add_argument("--data", default=None, metavar="PATH", help="train on this text file or folder instead")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="default: auto")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        type=_device,
+        metavar="DEVICE",
+        help="auto (default: the GPU if torch sees one), cpu, cuda, cuda:N (the N-th GPU: one peer per GPU, each "
+        "with its own --identity and port), or mps",
+    )
     parser.add_argument(
         "--span",
         type=int,
@@ -240,6 +248,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--metrics-host needs --metrics-port (metrics are off without it)")
     args.metrics_host = args.metrics_host or "127.0.0.1"
     return args
+
+
+def _device(text: str) -> str:
+    if text in ("auto", "cpu", "cuda", "mps") or re.fullmatch(r"cuda:\d{1,2}", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device: write auto, cpu, cuda, cuda:N or mps")
 
 
 def _memory(text: str) -> int:

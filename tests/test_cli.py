@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, group_alive, live_processes, tiny_manifest_dict
 from peers.swarm_demo import main as demo_main
@@ -101,7 +102,7 @@ def test_bad_input_gets_a_clear_error(tmp_path, capsys, manifest, flags, expecte
         ("peers.swarm_peer", ["--threads", "0"], "--threads must be at least 1"),
         ("peers.swarm_peer", ["--duration", "0"], "--duration must be positive"),
         ("peers.swarm_peer", ["--status-every", "-1"], "--status-every must be positive"),
-        ("peers.swarm_peer", ["--device", "tpu"], "invalid choice"),
+        ("peers.swarm_peer", ["--device", "tpu"], "'tpu' is not a device: write auto, cpu, cuda, cuda:N or mps"),
         ("peers.swarm_peer", ["--throughput", "fast"], "--throughput must be auto, eval or a number"),
         ("peers.swarm_peer", ["--throughput", "-3"], "--throughput must be auto, eval or a number"),
         ("peers.swarm_peer", ["--throughput", "nan"], "--throughput must be auto, eval or a number"),
@@ -129,6 +130,17 @@ def test_bad_flags_are_refused(tmp_path, capsys, module, flags, expected):
     code, out = in_process(module, args, capsys)
     assert code == 2
     assert expected in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_a_gpu_asked_for_on_a_machine_without_one_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(tiny_manifest_dict()))
+    code, out, _ = run(
+        "peers.swarm_peer", "--join", str(path), "--device", "cuda:1", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"
+    )
+    assert code == 2 and "--device cuda:1 was asked for, but torch sees no CUDA GPU" in out, out
     assert "Traceback" not in out
 
 
