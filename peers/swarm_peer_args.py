@@ -32,6 +32,8 @@ examples:
       train without serving a stage (a machine whose memory holds none)
   swarm-peer --join my-swarm.json --max-memory 6GB
       leave the rest of the GPU to others: serve only a stage that fits in 6 GB (swarm-plan shows what fits)
+  swarm-peer --join my-swarm.json --device cuda:1 --identity ~/.swarm-gpu1.key --host-maddrs /ip4/0.0.0.0/tcp/31338
+      a second GPU of the same machine: a peer of its own, with its own identity and port
   swarm-peer --join my-swarm.json --offload-optimizer
       an 8 GB card in a swarm of larger ones: AdamW's statistics in RAM, so the GPU holds more blocks
   swarm-peer --join my-swarm.json --throughput eval --bandwidth 50
