@@ -32,9 +32,9 @@ class CountingRouter(Router):
         super().__init__()
         self.bans = 0
 
-    def failed(self, peer_id: str, now: float) -> float:
+    def failed(self, peer_id: str, now: float, wasted: float = 0.0) -> float:
         self.bans += 1
-        return super().failed(peer_id, now)
+        return super().failed(peer_id, now, wasted)
 
 
 class TimedTrainer(Trainer):

@@ -109,7 +109,8 @@ def test_a_peer_out_of_memory_sheds_its_window_then_a_stage_reports_it_and_train
     online = peer.wait_for_json(lambda line: line.get("span") == [0, 1] and line.get("state") == "online", 60)
     assert online["busy_replies"] >= sum(event["stage"] == 0 for event in events)
     # the status line counts them, and shows the window it shrank to
-    assert online["out_of_memory"] == sum(event["stage"] == 0 for event in events), online
+    # (at least the events read above: more may have come since)
+    assert online["out_of_memory"] >= sum(event["stage"] == 0 for event in events) > 0, online
     assert online["kept_microbatches"] == 1, online
     helped = helper.status_lines()[-1]["samples_served"]
     before = trainer.status_lines()[-1].get("trainer_samples") or 0

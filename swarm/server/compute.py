@@ -30,6 +30,7 @@ from swarm.errors import (
     WrongStageError,
 )
 from swarm.manifests.manifest import Manifest
+from swarm.server.activation_cache import ActivationCache, CachedForward
 from swarm.server.offload import OffloadedStatistics
 from swarm.server.precision import LossScaler
 from swarm.server.staleness import StalenessControl
@@ -46,7 +47,6 @@ from swarm.wire.state import (
 from swarm.wire.tensors import all_finite
 from swarm.wire.validation import check_grad, check_inputs
 
-ACTIVATION_CACHE_BYTES = 1 << 30
 MAX_LEDGER = 200_000  # forwarded microbatch ids remembered (about 100 bytes each)
 REPLY_CACHE_BYTES = 1 << 26  # replies of applied forwarded microbatches kept to answer a repeat (see replay)
 STALENESS_WINDOW = 256  # gradients over which the staleness figures are taken
@@ -65,16 +65,6 @@ class ComputeCounters:
     staleness_mean: float = 0.0
     staleness_max: int = 0
     averaging_round: int = 0  # number of the stage's next round; travels with the state (see server/rounds.py)
-
-
-@dataclass
-class _CachedForward:
-    inputs: torch.Tensor
-    outputs: torch.Tensor
-    weights: list[torch.Tensor]  # the weights forward ran with (stashed), so backward uses the same ones
-    created: float
-    steps: int  # optimizer steps taken when forward ran (to measure the delay of its gradient)
-    version: int  # the weights' version forward ran with (to measure the gradient's staleness)
 
 
 class StageCompute:
@@ -104,15 +94,10 @@ class StageCompute:
         self.counters = ComputeCounters()
         self.weights_version = 0  # bumps whenever the weights change: stashes of older versions are stale
         self.backward_passes = 0  # since the last optimizer step
-        self._cache: OrderedDict[tuple[str, str], _CachedForward] = OrderedDict()
         self._stash: list[torch.Tensor] = []  # a copy of the current weights that optimizer steps never modify
         self._stash_version = -1
         self._apply_before: float | None = None  # of the request being processed (see process)
-        # forwards whose activations are kept for their backward (the oldest go first; their backward recomputes):
-        # as many as fit beside the stage in the peer's memory (capacity/costs.py), else ACTIVATION_CACHE_BYTES' worth
-        self._max_cached = kept_microbatches or max(
-            8, ACTIVATION_CACHE_BYTES // _activation_bytes_estimate(manifest, stage)
-        )
+        self._cache = ActivationCache(manifest, stage, kept_microbatches)  # forwards kept for their backward
         self._ledger: OrderedDict[str, float] = OrderedDict()  # forwarded microbatches taken: id -> when it expires
         self._replies: OrderedDict[str, list[torch.Tensor]] = OrderedDict()  # applied ones: id -> their reply
         self._reply_bytes = 0
@@ -143,7 +128,7 @@ class StageCompute:
             while self._reply_bytes > REPLY_CACHE_BYTES and self._replies:
                 _, old = self._replies.popitem(last=False)
                 self._reply_bytes -= sum(t.numel() * t.element_size() for t in old)
-        self._cache.pop((caller, microbatch_id), None)
+        self._cache.drop((caller, microbatch_id))
 
     def replay(self, microbatch_id: str) -> list[torch.Tensor] | None:
         """The reply of a forwarded microbatch applied here already, for a repeat of it: its caller died before the
@@ -165,7 +150,7 @@ class StageCompute:
         time.monotonic() moment), gradients are applied only before then; after it, TooLateError."""
         if req.stage != self.stage:
             raise WrongStageError(f"this peer serves stage {self.stage} now, not stage {req.stage}")
-        self._forget_stale_forwards()
+        self._cache.drop_older_than(self.manifest.training.timeouts.microbatch)  # their trainers gave up on them
         self._apply_before = apply_before
         begin = time.perf_counter()
         outputs = self._forward(req, caller) if kind == "forward" else self._backward(req, caller)
@@ -232,7 +217,7 @@ class StageCompute:
         cached = self._cache.get(key)
         if cached is not None:
             check_grad(grad, tuple(cached.outputs.shape))  # a bad gradient leaves the activations cached
-            del self._cache[key]
+            self._cache.drop(key)
             x, out, weights = cached.inputs, cached.outputs, cached.weights
             self.staleness.observed_delay(self.counters.optimizer_steps - cached.steps)
             self._forward_version = cached.version
@@ -339,38 +324,23 @@ class StageCompute:
     def _remember(
         self, caller: str, microbatch_id: str, x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor]
     ) -> None:
-        key = (caller, microbatch_id)
-        self._cache[key] = _CachedForward(
-            x, out, weights, time.monotonic(), self.counters.optimizer_steps, self.weights_version
-        )
-        self._cache.move_to_end(key)
-        while len(self._cache) > self._max_cached:
-            self._cache.popitem(last=False)
+        forward = CachedForward(x, out, weights, time.monotonic(), self.counters.optimizer_steps, self.weights_version)
+        self._cache.remember((caller, microbatch_id), forward)
 
     @property
     def kept_microbatches(self) -> int:
         """How many forwards' activations are kept for their backward (the window; server/shedding.py)."""
-        return self._max_cached
+        return self._cache.limit
 
     def keep_fewer_forwards(self, limit: int) -> None:
         """Out of memory (server/shedding.py): keep at most `limit` forwards' activations from now on, and drop the
         oldest beyond it now (their backward recomputes forward from the inputs it carries)."""
-        self._max_cached = limit
-        while len(self._cache) > limit:
-            self._cache.popitem(last=False)
+        self._cache.keep_at_most(limit)
 
     def forget_forwards(self, keys: list[tuple[str, str]]) -> None:
         """Drop the cached forwards of these (caller, microbatch id)s: their step gate slots were given up."""
         for key in keys:
-            self._cache.pop(key, None)
-
-    def _forget_stale_forwards(self) -> None:
-        """Drop activations whose microbatch deadline has passed: their trainer has given up on them."""
-        now = time.monotonic()
-        while (
-            self._cache and now - next(iter(self._cache.values())).created > self.manifest.training.timeouts.microbatch
-        ):
-            self._cache.popitem(last=False)
+            self._cache.drop(key)
 
     # -------------------------------------------------------------------------------------- state
 
@@ -440,10 +410,3 @@ class StageCompute:
     def set_round(self, number: int) -> None:
         """The number of the stage's next round (it travels with the state, so it changes in this thread)."""
         self.counters.averaging_round = number
-
-
-def _activation_bytes_estimate(manifest: Manifest, stage: int) -> int:
-    """Rough memory of one cached forward: about 20 float activations of [batch, length, width] per layer."""
-    config, training = manifest.model, manifest.training
-    per_layer = 20 * training.microbatch_size * config.context_length * config.width * 4
-    return per_layer * max(1, len(manifest.stage_layers(stage)))
