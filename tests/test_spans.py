@@ -113,9 +113,12 @@ def test_peers_choose_spans_by_their_memory_and_cover_the_blocks_of_a_large_peer
     assert plan["mode"] == "spans" and plan["kinds"][0]["blocks"] == 2, plan
     too_small = planned(joined, f"{int(cap) // 8}@1TF/100mbit", capsys)
     assert too_small["kinds"][0]["serving"] == 0, too_small
-    for peer in small:  # each took two stages: its memory holds no more
+    # each serves as many stages as its memory holds from where it starts: two (the last stage alone, where the
+    # swarm's weakest stage is the last: a span of two there would spread its rate over a stage that needs less)
+    for peer in small:
         line = peer.wait_for_json(lambda line: line.get("state") == "online", 90, "online")
-        assert line["span"][1] - line["span"][0] == plan["kinds"][0]["blocks"], line
+        start, end = line["span"]
+        assert end - start == min(plan["kinds"][0]["blocks"], 4 - start), line
         assert line["memory_available"] == int(cap) and 0 < line["memory_used"], line
     trainer.wait_for_json(lambda line: (line.get("trainer_samples") or 0) >= 200, 120, "training")
     large.kill()
