@@ -90,7 +90,7 @@ def test_three_stages_forward_around_a_killed_hop_and_the_trainers_link_carries_
         # 2 applied whose way back was cut by the kill is answered with its first reply when it comes again through
         # the other stage-1 peer (replayed); one still in progress there is refused as a duplicate (dropped)
         # the stage peers' counters once what was in flight when the trainer stopped is done
-        s0 = settled_status(first, ("samples_served", "rerouted", "duplicates"))
+        s0 = settled_status(first, ("samples_served", "rerouted", "duplicates", "too_late"))
         s2 = settled_status(last, ("samples_served", "replayed"))
         trainer_end = trainer.status_lines()[-1]
         print(
@@ -99,10 +99,13 @@ def test_three_stages_forward_around_a_killed_hop_and_the_trainers_link_carries_
             f"{s2['replayed']}, failed {trainer_end['trainer_failed_microbatches']}"
         )
         assert s0["rerouted"] >= 1, s0
-        # (a duplicate that comes back to the trainer is asked again and replayed, so it may end applied everywhere)
-        assert 0 <= s2["samples_served"] - s0["samples_served"] <= BATCH * s0["duplicates"], (s0, s2)
+        # (a duplicate that comes back to the trainer is asked again and replayed, so it may end applied everywhere;
+        # a gradient that came back to stage 0 after its deadline there is not applied there: too late, on a
+        # loaded machine, for a microbatch the freeze held up)
+        unapplied = s0["duplicates"] + s0["too_late"]
+        assert 0 <= s2["samples_served"] - s0["samples_served"] <= BATCH * unapplied, (s0, s2)
         window = 4  # at most the microbatches in flight at the kill are affected
-        assert s0["duplicates"] <= window and trainer_end["trainer_failed_microbatches"] <= s0["duplicates"]
+        assert s0["duplicates"] <= window and trainer_end["trainer_failed_microbatches"] <= unapplied
         assert s2["replayed"] <= window, s2
         # the trainer counts what came back; what was in flight when it stopped was applied but not counted
         assert 0 <= s0["samples_served"] - trainer_end["trainer_samples"] <= 4 * BATCH, (s0, trainer_end)
