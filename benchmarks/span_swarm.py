@@ -154,12 +154,18 @@ def wait_serving(peers: list[PeerProcess], ready, timeout: float = 240.0) -> Non
         time.sleep(POLL)
 
 
-def equal_run(seed: int, samples: int, workdir: Path) -> dict:
-    manifest = swarm_manifest(seed, spans=False)
+def start_swarm(seed: int, spans: bool, workdir: Path) -> tuple[Manifest, object, Path]:
+    """The run's manifest joined to a DHT node of this process, written to the run's folder."""
+    manifest = swarm_manifest(seed, spans=spans)
     dht = node.start_dht([], node.LOOPBACK)
     manifest = manifest.with_initial_peers([str(a) for a in dht.get_visible_maddrs()])
-    path = workdir / f"equal-{seed}.json"
+    path = workdir / f"{'spans' if spans else 'equal'}-{seed}.json"
     path.write_text(manifest.to_json())
+    return manifest, dht, path
+
+
+def equal_run(seed: int, samples: int, workdir: Path) -> dict:
+    manifest, dht, path = start_swarm(seed, False, workdir)
     peers: list[PeerProcess] = []
     try:
         for stage, replica in itertools.product(range(EQUAL_STAGES), range(EQUAL_REPLICAS)):
@@ -176,11 +182,7 @@ def equal_run(seed: int, samples: int, workdir: Path) -> dict:
 
 
 def span_run(seed: int, samples: int, workdir: Path) -> dict:
-    manifest = swarm_manifest(seed, spans=True)
-    dht = node.start_dht([], node.LOOPBACK)
-    manifest = manifest.with_initial_peers([str(a) for a in dht.get_visible_maddrs()])
-    path = workdir / f"spans-{seed}.json"
-    path.write_text(manifest.to_json())
+    manifest, dht, path = start_swarm(seed, True, workdir)
     peers: list[PeerProcess] = []
     figures: dict = {}
     try:
