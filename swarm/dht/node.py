@@ -17,7 +17,7 @@ from pathlib import Path
 from hivemind import DHT
 from multiaddr import Multiaddr
 
-from swarm.dht.records import is_loopback, protected_keys
+from swarm.dht.records import is_loopback, protected_keys, without_loopback_unless_only
 from swarm.errors import PeerStartError
 from swarm.manifests.manifest import Manifest
 from swarm.trust.secret import SwarmSecret
@@ -162,5 +162,4 @@ def visible_maddrs(dht: DHT) -> list[str]:
 
 def publishable_maddrs(addrs: list[str]) -> list[str]:
     """The addresses worth giving to peers on other machines: all but loopback ones, unless only those exist."""
-    remote = [a for a in addrs if not is_loopback(a)]
-    return remote or list(addrs)
+    return without_loopback_unless_only(addrs)

@@ -56,9 +56,12 @@ def announceable(addrs: list[str]) -> tuple[str, ...]:
     """The addresses a record can carry: short enough, at most MAX_ADDRESSES, and only those others could reach:
     no loopback address beside another (a peer on another machine would dial its own loopback; in an
     all-loopback swarm they are all there is)."""
-    fitting = [a for a in addrs if len(a) <= MAX_TEXT]
-    remote = [a for a in fitting if not is_loopback(a)]
-    return tuple((remote or fitting)[:MAX_ADDRESSES])
+    return tuple(without_loopback_unless_only([a for a in addrs if len(a) <= MAX_TEXT])[:MAX_ADDRESSES])
+
+
+def without_loopback_unless_only(addrs: list[str]) -> list[str]:
+    """The addresses peers on other machines could dial: all but loopback ones, unless only those exist."""
+    return [a for a in addrs if not is_loopback(a)] or list(addrs)
 
 
 def stage_key(swarm_id: str, stage: int) -> str:
