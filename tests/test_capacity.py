@@ -149,6 +149,31 @@ def test_when_a_large_peer_leaves_one_small_peer_moves_to_cover_its_blocks():
     assert upper_bound(small_peers, [2, 2, 2], blocks) == pytest.approx(1.5)
 
 
+def test_a_peer_steps_aside_so_that_another_can_fill_a_stage_nobody_serves():
+    """Small peers (two stages each, one from the last) at [1, 3] and [3, 4]; stage 0 lost its only peer. No single
+    move fills it: [1, 3] -> [0, 2] would leave stage 2, which only it holds, and a move never leaves such a stage.
+    [3, 4] -> [2, 4] lowers the sorted coverage, but lets the other go to [0, 2]: it is taken, then that one."""
+    blocks, lengths = [1.0] * 4, [2, 2, 2, 1]
+    peers = {"a": SpanPeer("a", 2.0, 100.0, 1, 3), "b": SpanPeer("b", 3.0, 100.0, 3, 4)}
+    made = []
+    for _ in range(4):
+        for name, peer in sorted(peers.items(), reverse=True):  # b looks first, then a: each sees the other
+            others = [p for n, p in peers.items() if n != name]
+            span = better_span(peer, others, lengths, blocks, random.Random(0), min_gain=0.1)
+            if span is not None:
+                peers[name] = SpanPeer(name, peer.compute, peer.network, *span)
+                made.append((name, span))
+    assert made == [("b", (2, 4)), ("a", (0, 2))]
+    assert min(coverage(list(peers.values()), blocks)) > 0
+    # seen by "a" first, nothing it may do fills stage 0 now: it stays, and the other's step is still found
+    peers = {"a": SpanPeer("a", 2.0, 100.0, 1, 3), "b": SpanPeer("b", 3.0, 100.0, 3, 4)}
+    assert better_span(peers["a"], [peers["b"]], lengths, blocks, random.Random(0)) is None
+    assert better_span(peers["b"], [peers["a"]], lengths, blocks, random.Random(0)) == (2, 4)
+    # before "a" moves, "b" does not step back to [3, 4], though that would raise the sorted coverage
+    b_moved = SpanPeer("b", 3.0, 100.0, 2, 4)
+    assert better_span(b_moved, [peers["a"]], lengths, blocks, random.Random(0)) is None
+
+
 def test_in_a_swarm_of_many_peers_a_stage_a_move_worth_a_tenth_of_the_peer_itself_happens():
     """20 peers of rate 1 on stage 0, 25 on stage 1, one of them could move: the bottleneck (20) rises by 1, 5% of
     it, but all that peer brings. A threshold of 10% of the bottleneck would never let one peer move here; the

@@ -88,13 +88,6 @@ def memory_for(manifest_dict, stages: int) -> str:
     return str(cap)
 
 
-# Known limitation (issue 32, open): from these spans the two small peers cannot cover all four stages once the
-# large peer is gone. Each single move would leave a stage that only it holds (a move never does), and the one
-# move that is allowed ([3, 4] -> [2, 4]) lowers the sorted coverage first, so better_span does not take it. Moves
-# planned together (as balancing/moves.py plans them for fixed stages) would.
-STUCK = ([[1, 3], [3, 4]],)
-
-
 def planned(manifest_path, machines: str, capsys) -> dict:
     """swarm-plan's JSON for CPU machines: what the peers of this swarm would serve."""
     from peers.swarm_plan import main
@@ -133,8 +126,6 @@ def test_peers_choose_spans_by_their_memory_and_cover_the_blocks_of_a_large_peer
     def spans() -> list[list[int]]:
         return sorted(peer.status_lines()[-1]["span"] for peer in small)
 
-    if spans() in STUCK:  # a known limitation, reported as such rather than as a flaky failure
-        pytest.xfail(f"the small peers serve {spans()}: no single move reaches [0, 2] + [2, 4] (see STUCK)")
     large.kill()
     trainer.wait_for_json(lambda line: spans() == [[0, 2], [2, 4]], 120, "the small peers covering all stages")
     samples = trainer.status_lines()[-1]["trainer_samples"]

@@ -110,12 +110,19 @@ def better_span(
     bottleneck itself, or, where several stages tie near it (one move cannot lift them all), the weakest stage the
     move helps without lowering a weaker one. Each move raises that sorted vector, so moves made one after another
     never cycle; min_gain is the hysteresis that keeps noise and stale records from moving peers back and forth
-    (a move costs a state download), as a share of the bottleneck or of the peer's own rate, whichever is less."""
+    (a move costs a state download), as a share of the bottleneck or of the peer's own rate, whichever is less.
+    While a stage has nobody, holding every stage comes first (`toward_full_cover`), with no hysteresis."""
     others = [o for o in others if o.peer_id != peer.peer_id]
     now = sorted(coverage([*others, peer], blocks_per_stage))
-    start, end = choose_span(peer, others, lengths, blocks_per_stage, rng) or (peer.start, peer.end)
+    held_more = False
+    if peer.end > peer.start and 0 in holders([*others, peer], len(blocks_per_stage)):
+        (start, end), held_more = toward_full_cover(peer, others, lengths, blocks_per_stage, rng)
+    else:
+        start, end = choose_span(peer, others, lengths, blocks_per_stage, rng) or (peer.start, peer.end)
     if (start, end) == (peer.start, peer.end):
         return None
+    if held_more:  # a stage nobody served gets a peer (now, or by the move this one makes room for)
+        return start, end
     moved = SpanPeer(peer.peer_id, peer.compute, peer.network, start, end)
     after = sorted(coverage([*others, moved], blocks_per_stage))
     # the hysteresis is relative to what this peer brings (its rate over its span) where that is less than the
@@ -126,6 +133,72 @@ def better_span(
         if abs(later - before) > 1e-9 * max(before, 1.0):
             return (start, end) if later > before + margin else None
     return None
+
+
+def holders(peers: Sequence[SpanPeer], stages: int) -> list[int]:
+    """How many peers hold each stage."""
+    counts = [0] * stages
+    for peer in peers:
+        for stage in range(max(peer.start, 0), min(peer.end, stages)):
+            counts[stage] += 1
+    return counts
+
+
+def _moved(counts: list[int], old: tuple[int, int], new: tuple[int, int]) -> list[int] | None:
+    """The holders per stage after a peer moves from span `old` to `new`; None if it would leave a stage that only
+    it holds (a move never does: that stage's trained state would leave with it)."""
+    after = list(counts)
+    for stage in range(*old):
+        after[stage] -= 1
+    if any(after[stage] == 0 and not new[0] <= stage < new[1] for stage in range(*old)):
+        return None
+    for stage in range(*new):
+        after[stage] += 1
+    return after
+
+
+def _held_after_one_more_move(others: Sequence[SpanPeer], counts: list[int]) -> int:
+    """The most stages held after one more move by one of `others`, each keeping the length of its span (what its
+    memory is known to hold; it may hold more)."""
+    stages, best = len(counts), sum(c > 0 for c in counts)
+    for other in others:
+        length = min(other.end, stages) - max(other.start, 0)
+        for start in range(stages) if length > 0 else ():
+            span = (start, min(start + length, stages))
+            after = _moved(counts, (other.start, other.end), span) if span != (other.start, other.end) else None
+            if after is not None:
+                best = max(best, sum(c > 0 for c in after))
+    return best
+
+
+def toward_full_cover(
+    peer: SpanPeer,
+    others: Sequence[SpanPeer],
+    lengths: Sequence[int],
+    blocks_per_stage: Sequence[float],
+    rng: random.Random,
+) -> tuple[tuple[int, int], bool]:
+    """Where a serving `peer` goes while some stage has nobody: the span that leaves the most stages held, then the
+    most held after one more move by another peer (stepping aside so that another peer can fill the hole: with
+    small peers at [1, 3] and [3, 4] and stage 0 empty, [3, 4] -> [2, 4] lets the other go to [0, 2]; no single move
+    fills it, as each would leave a stage only its peer holds), then the best sorted coverage. Its own span is one
+    of the choices. Second: whether the span found holds more stages than staying, now or after that next move."""
+    stages = len(blocks_per_stage)
+    counts = holders([*others, peer], stages)
+    current = (peer.start, peer.end)
+    options = [current] + [(s, s + n) for s, n in enumerate(lengths) if n > 0 and (s, s + n) != current]
+    totals = coverage(others, blocks_per_stage)
+    scored = []
+    for span in options:
+        after = counts if span == current else _moved(counts, current, span)
+        if after is None:
+            continue
+        moved = SpanPeer(peer.peer_id, peer.compute, peer.network, *span)
+        held = (sum(c > 0 for c in after), _held_after_one_more_move(others, after))
+        scored.append((held, _score(totals, moved, *span, blocks_per_stage), span))
+    best = max((held, score) for held, score, _ in scored)
+    span = rng.choice([span for held, score, span in scored if (held, score) == best])
+    return span, best[0] > scored[0][0]
 
 
 def upper_bound(peers: Sequence[SpanPeer], longest: Sequence[float], blocks_per_stage: Sequence[float]) -> float:
