@@ -21,6 +21,7 @@ classes by tests/test_errors.py:
     GradientOverflowError -> RequestRefusedError: a float16 stage's gradients overflowed its loss scale
     DownstreamFailedError -> RequestRefusedError: a later stage of a forwarded microbatch failed (not this peer's fault)
     MicrobatchFailedError -> SwarmError: a microbatch did not complete within its deadline, after retries
+    PeerVanishedError -> SwarmError: a peer a call waited for stopped answering pings (its link is down, or it stopped)
     AveragingError -> SwarmError: an averaging round did not happen, or its result was unusable
     IncompleteRoundError -> AveragingError: part of a round's result never arrived
     CheckpointError -> SwarmError: a checkpoint file is unreadable, corrupt, or of another swarm or stage
@@ -103,6 +104,10 @@ class DownstreamFailedError(RequestRefusedError):
 
 class MicrobatchFailedError(SwarmError):
     """A microbatch could not be completed within its deadline, after retries."""
+
+
+class PeerVanishedError(SwarmError):
+    """A peer that a call waited for stopped answering pings: its link is down or it stopped (the call was given up)."""
 
 
 class AveragingError(SwarmError):

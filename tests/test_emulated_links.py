@@ -133,6 +133,27 @@ def test_a_connection_from_another_peer_crosses_that_peers_uplink_too():
     sink.close()
 
 
+def test_a_cut_link_loses_every_byte_and_closes_nothing_until_it_is_mended():
+    server = EchoServer()
+    with EmulatedLinks(lifetime=60) as links:
+        relay = links.add("peer", server.port, LinkSpec.parse("unlimited/1ms"))
+        with socket.create_connection(("127.0.0.1", relay)) as conn:
+            conn.sendall(b"a")
+            assert conn.recv(10) == b"a"
+            links.cut("peer")
+            conn.sendall(b"b")
+            conn.settimeout(1.0)
+            with pytest.raises(TimeoutError):  # no echo, and no close (recv would return b"")
+                conn.recv(10)
+            assert server.received == 1
+            links.cut("peer", False)
+            conn.sendall(b"c")
+            assert conn.recv(10) == b"c"  # what was sent during the cut is gone for good
+        with pytest.raises(EmulatedLinkError, match="no link named"):
+            links.cut("nobody")
+    server.close()
+
+
 def test_relays_stop_by_themselves():
     server = EchoServer()
     links = EmulatedLinks(lifetime=0.5)

@@ -27,7 +27,7 @@ from swarm.client.checks import CHECK_FRACTION, WorkChecks
 from swarm.client.forwarded import ForwardedPipeline
 from swarm.client.pipeline import LocalStage, TrainerParts
 from swarm.client.relay import RelayedPipeline
-from swarm.client.rpc import call_stage
+from swarm.client.rpc import call_stage, ping
 from swarm.client.window import AdaptiveWindow
 from swarm.dataset.shards import TrainingStream, sample_batch
 from swarm.dht.announcement_cache import AnnouncementCache
@@ -41,6 +41,7 @@ from swarm.dht.records import (
 from swarm.errors import MicrobatchFailedError
 from swarm.manifests.manifest import Manifest
 from swarm.network.coordinates import Vivaldi
+from swarm.network.liveness import Liveness
 from swarm.routing import Router
 from swarm.watch.stats import Traffic, TrainerStats
 from swarm.wire.validation import max_request_elements
@@ -96,6 +97,8 @@ class Trainer:
         self.served = self.parts.served  # samples each stage peer trained for this trainer
         self.forwarded = ForwardedPipeline(self.parts, self.window, self.checks, position, self._count_checked)
         self.relay = RelayedPipeline(self.parts)
+        # a stage peer that vanished mid-call (its link cut) is given up in seconds, not at the call's timeout
+        self.liveness = Liveness(lambda peer_id, timeout: ping(self.p2p, peer_id, manifest, timeout))
 
     # ------------------------------------------------------------------------------------------- training
 
@@ -158,7 +161,8 @@ class Trainer:
         """One call: to this peer's own server directly, else over the network (its bytes counted)."""
         if self.local_server is not None and peer_id == self.peer_id:
             return await asyncio.wait_for(self.local_server.handle(kind, request, self.peer_id), timeout)
-        reply = await call_stage(self.p2p, peer_id, kind, request, timeout, self.max_elements)
+        call = call_stage(self.p2p, peer_id, kind, request, timeout, self.max_elements)
+        reply = await self.liveness.watch(call, peer_id, f"{kind} call")
         self.bytes_sent += request.ByteSize()
         self.bytes_received += reply.ByteSize()
         self.traffic.activation_sent += request.ByteSize()

@@ -8,7 +8,9 @@ connection:
 - **bandwidth per direction**, shared by all the peer's connections (one token bucket for its uplink, one for its
   downlink);
 - **one-way delay**, optionally with **jitter** (bytes stay in order, as TCP keeps them);
-- a count of the **bytes it carried** each way, to check the peers' own byte counters against.
+- a count of the **bytes it carried** each way, to check the peers' own byte counters against;
+- a **cut** (`cut(name)`): from then on every byte to or from the peer is lost and no connection is closed, as
+  when a laptop's lid closes or its Wi-Fi drops: the peer's process runs on, and nobody is told.
 
 A connection from peer A to peer B crosses A's uplink and B's downlink (and the way back B's uplink and A's
 downlink), with the delay of both links. The relay of B tells that a connection comes from A by its source port:
@@ -122,6 +124,7 @@ class _Link:
     down: _Bucket = field(init=False)
     bytes_up: int = 0
     bytes_down: int = 0
+    cut: bool = False  # every byte to or from the peer is lost, and no connection is closed (a pulled cable)
 
     def __post_init__(self) -> None:
         self.up, self.down = _Bucket(self.spec.up_bits), _Bucket(self.spec.down_bits)
@@ -173,6 +176,12 @@ class EmulatedLinks:
             port = probe.getsockname()[1]
         relay = self.add(name, port, spec)
         return ["--host-maddrs", f"/ip4/{LOOPBACK}/tcp/{port}", "--announce-maddrs", f"/ip4/{LOOPBACK}/tcp/{relay}"]
+
+    def cut(self, name: str, cut: bool = True) -> None:
+        """Cut the peer's link (or mend it, `cut=False`): its bytes are lost, its connections stay open."""
+        if name not in self._links:
+            raise EmulatedLinkError(f"there is no link named {name!r}")
+        self._links[name].cut = cut
 
     def carried(self) -> dict[str, dict[str, int]]:
         """Bytes each link carried so far: up (sent by its peer) and down (received by it)."""
@@ -263,6 +272,8 @@ class EmulatedLinks:
                 data = await reader.read(CHUNK_BYTES)
                 if not data:
                     break
+                if (sender is not None and sender.cut) or (receiver is not None and receiver.cut):
+                    continue  # lost on the way
                 now = time.monotonic()
                 passed = now
                 delay = 0.0

@@ -34,7 +34,7 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from swarm.client.rpc import call_stage
+from swarm.client.rpc import call_stage, ping
 from swarm.dht.announcement_cache import AnnouncementCache
 from swarm.errors import (
     BadRequestError,
@@ -45,6 +45,7 @@ from swarm.errors import (
     WrongStageError,
 )
 from swarm.manifests.manifest import Manifest
+from swarm.network.liveness import Liveness
 from swarm.routing import Router, online_peers
 from swarm.server.compute import StageCompute
 from swarm.server.request_path import RequestPath
@@ -118,6 +119,7 @@ class Forwarder:
         self.p2p: P2P | None = None
         self.view: AnnouncementCache | None = None
         self.local: LocalStages | None = None
+        self.liveness: Liveness | None = None
         self.forwarded = 0  # microbatches this hop passed on and brought back
         self.rerouted = 0  # next hops that failed and were replaced by another peer of their stage
         self.replayed = 0  # repeats of applied microbatches answered with their first reply
@@ -136,6 +138,8 @@ class Forwarder:
     def attach(self, p2p: P2P, view: AnnouncementCache, local: LocalStages | None = None) -> None:
         """The peer's connection, its picture of the swarm and the stages it serves, once it serves."""
         self.p2p, self.view, self.local = p2p, view, local
+        # a next peer that vanished mid-call (its link cut) is routed around in seconds, not at the budget's end
+        self.liveness = Liveness(lambda peer_id, timeout: ping(p2p, peer_id, self.manifest, timeout))
 
     # ------------------------------------------------------------------------------------ one hop
 
@@ -212,6 +216,10 @@ class Forwarder:
             if fields.train:
                 await path.worker.run(lambda c: c.settle(fields.microbatch_id, False, caller))
             return path.error_reply("train", caller, e), False
+        except BaseException:  # a bug, or a cancelled call: the microbatch is not left in progress here for good
+            if fields.train:
+                await asyncio.shield(path.worker.run(lambda c: c.settle(fields.microbatch_id, False, caller)))
+            raise
         if not fields.train:
             return self._reply(outputs, forwarded.compute_seconds, arrival, hops), False
         loss, grad = outputs
@@ -256,7 +264,7 @@ class Forwarder:
         and on failure to others, until the budget runs out. The reply's tensors, checked, and its hop timings.
         Raises DownstreamFailedError when the budget ran out, DuplicateMicrobatchError when the next stage has
         this microbatch already."""
-        assert self.p2p is not None and self.view is not None, "attach first"
+        assert self.p2p is not None and self.view is not None and self.liveness is not None, "attach first"
         following = self.stage + 1
         stages_after = self.manifest.num_stages - following
         timeouts = self.manifest.training.timeouts
@@ -301,9 +309,8 @@ class Forwarder:
                         self.local.handle("train", request, self.peer_id), budget + grace(budget)
                     )
                 else:
-                    reply = await call_stage(
-                        self.p2p, peer_id, "train", request, budget + grace(budget), self.max_elements
-                    )
+                    call = call_stage(self.p2p, peer_id, "train", request, budget + grace(budget), self.max_elements)
+                    reply = await self.liveness.watch(call, peer_id, f"train on stage {following}")
                     self.traffic.activation_sent += request.ByteSize()
                     self.traffic.activation_received += reply.ByteSize()
                 outputs = check_reply(reply, expect, self.max_elements)

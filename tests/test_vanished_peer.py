@@ -1,0 +1,88 @@
+"""A peer that vanishes without closing its connections (a closed laptop lid, a Wi-Fi drop: here its emulated link is
+cut, so its bytes are lost, its process runs on and no connection is closed) costs the rest of the swarm seconds of
+progress, not the manifest's fixed timeouts (30 s forward and 60 s backward a stage, as a real swarm has them):
+the trainer and each hop ping a peer whose reply is late, and give up on one that does not answer
+(swarm/network/liveness.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import tiny_manifest_dict
+from swarm.network.emulated_links import EmulatedLinks, LinkSpec
+
+pytestmark = pytest.mark.integration
+
+GOAL = 10.0  # seconds of progress a vanished peer may cost the swarm (issue 33)
+LINK = LinkSpec.parse("100mbit/5ms")
+
+
+def progress(peer) -> int:
+    lines = peer.status_lines()
+    return (lines[-1].get("trainer_samples") or 0) if lines else 0
+
+
+def served(peer) -> int:
+    lines = peer.status_lines()
+    return (lines[-1].get("samples_served") or 0) if lines else 0
+
+
+def longest_stall(trainer, samples: int, timeout: float) -> float:
+    """Seconds of the longest stretch without trainer progress, until it trained `samples` more."""
+    start = last_change = time.monotonic()
+    before = seen = progress(trainer)
+    longest = 0.0
+    while seen < before + samples:
+        assert time.monotonic() - start < timeout, f"{seen - before} of {samples} samples in {timeout:.0f} s"
+        time.sleep(0.2)
+        now, current = time.monotonic(), progress(trainer)
+        if current > seen:
+            longest, last_change, seen = max(longest, now - last_change), now, current
+    return max(longest, time.monotonic() - last_change)
+
+
+def busiest(peers: dict, seconds: float = 2.0) -> str:
+    """The name of the peer serving the most samples now (cutting an idle one would show nothing)."""
+    before = {name: served(peer) for name, peer in peers.items()}
+    time.sleep(seconds)
+    return max(peers, key=lambda name: served(peers[name]) - before[name])
+
+
+@pytest.mark.slow(60)
+def test_a_vanished_stage_peer_costs_the_swarm_seconds_not_its_fixed_timeouts(start_peer, write_manifest):
+    raw = tiny_manifest_dict(
+        training={
+            # as a real swarm trains: steps of several microbatches, a window that adapts, the default timeouts
+            "microbatches_per_step": 4,
+            "max_in_flight": 0,
+            "adaptive_window": True,
+            "timeouts": {"forward": 30, "backward": 60, "microbatch": 300},
+        },
+        averaging={"mode": "none"},
+    )
+    status = ("--status-every", "1")
+    with EmulatedLinks(lifetime=300) as links:
+        flags = {name: [*status, *links.peer_flags(name, LINK)] for name in ("a0", "b0", "a1", "b1", "trainer")}
+        first = start_peer(write_manifest(raw), "--stage", "0", "--no-trainer", *flags["a0"])
+        raw["initial_peers"] = [first.maddr()]
+        path = write_manifest(raw, "joined.json")
+        stage0 = {"a0": first, "b0": start_peer(path, "--stage", "0", "--no-trainer", *flags["b0"])}
+        stage1 = {name: start_peer(path, "--stage", "1", "--no-trainer", *flags[name]) for name in ("a1", "b1")}
+        for peer in (*stage0.values(), *stage1.values()):
+            peer.wait_for("serving stage", timeout=90)
+        trainer = start_peer(path, "--trainer-only", *flags["trainer"])
+        trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= 200, timeout=120, what="training")
+
+        # a stage-1 peer vanishes: the stage-0 peers that forward to it give up on it once it does not answer their pings
+        links.cut(busiest(stage1))
+        stall = longest_stall(trainer, 200, timeout=60)
+        print(f"a stage-1 peer vanished: the trainer's longest stretch without progress {stall:.1f} s")
+        assert stall < GOAL, f"the trainer made no progress for {stall:.1f} s after a stage-1 peer vanished"
+
+        # a stage-0 peer vanishes: the trainer, which calls it, gives up on it once it does not answer its pings
+        links.cut(busiest(stage0))
+        stall = longest_stall(trainer, 200, timeout=60)
+        print(f"a stage-0 peer vanished: the trainer's longest stretch without progress {stall:.1f} s")
+        assert stall < GOAL, f"the trainer made no progress for {stall:.1f} s after a stage-0 peer vanished"
