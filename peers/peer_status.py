@@ -41,7 +41,14 @@ exit codes: 0 healthy (every stage served by an online peer), 1 degraded (some s
 that peer is not online), 2 the swarm cannot be reached (bad manifest, no initial peer answers)
 """
 
-STATUS_STYLES = {"online": "green", "joining": "cyan", "stale": "yellow", "offline": "red", "gone": "red"}
+STATUS_STYLES = {
+    "online": "green",
+    "joining": "cyan",
+    "paused": "blue",
+    "stale": "yellow",
+    "offline": "red",
+    "gone": "red",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

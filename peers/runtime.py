@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -55,6 +56,29 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+
+PAUSE_SIGNAL, RESUME_SIGNAL = signal.SIGUSR1, signal.SIGUSR2
+
+
+def install_pause_handlers(pause: Callable[[], Awaitable[None]], resume: Callable[[], Awaitable[None]]) -> None:
+    """SIGUSR1 pauses the peer, SIGUSR2 resumes it: `kill -USR1 <pid>` (the peer's own process, whose id it
+    prints at start; not its process group: the DHT's process and the p2p daemon would take the signal as a stop)."""
+    loop = asyncio.get_running_loop()
+    running: set[asyncio.Task] = set()  # kept referenced until done
+
+    def done(task: asyncio.Task) -> None:
+        running.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logging.getLogger("swarm.peer").error(f"pausing or resuming failed: {task.exception()!r}")
+
+    def start(action: Callable[[], Awaitable[None]]) -> None:
+        task = asyncio.ensure_future(action())
+        running.add(task)
+        task.add_done_callback(done)
+
+    loop.add_signal_handler(PAUSE_SIGNAL, start, pause)
+    loop.add_signal_handler(RESUME_SIGNAL, start, resume)
 
 
 # what the p2p daemon's connection to this process raises when the remote peer of an incoming stream went away

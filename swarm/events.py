@@ -30,6 +30,8 @@ class EventKind(StrEnum):
     STATE_TAKEN = "state_taken"
     AVERAGING_ROUND = "averaging_round"
     OUT_OF_MEMORY = "out_of_memory"  # a request ran out of memory: it was answered busy, and the stage shed work
+    PAUSED = "paused"  # the owner paused the peer: it drained, and its device memory is free
+    RESUMED = "resumed"  # the owner resumed it: it caught up with its stage and serves again
 
 
 class StateSource(StrEnum):
@@ -37,6 +39,7 @@ class StateSource(StrEnum):
     CHECKPOINT = "checkpoint"  # this peer's own checkpoint of the stage
     FRESH = "fresh"  # nobody had it: the seed initialisation
     PRETRAINED = "pretrained"  # nobody had it: the swarm's pretrained model (swarm/hf/pretrained.py)
+    OWN = "own"  # this peer's own state, kept while it was paused: nobody had gone further
 
 
 class RoundOutcome(StrEnum):

@@ -199,7 +199,7 @@ def remaining(deadline: float) -> float:
 def _describe_stage(announcements: Sequence[Announcement]) -> str:
     """E.g. "only 1 offline peer", "only 2 joining and 1 offline peers", "no peer at all"."""
     states = [a.state for a in announcements if a.state != PeerState.ONLINE]
-    counts = [f"{states.count(s)} {s}" for s in ("joining", "offline") if states.count(s)]
+    counts = [f"{states.count(s)} {s}" for s in ("joining", "paused", "offline") if states.count(s)]
     if not counts:
         return "no peer at all"
     return f"only {' and '.join(counts)} peer{'' if len(states) == 1 else 's'}"

@@ -48,6 +48,8 @@ from swarm.wire.validation import max_request_elements
 
 logger = logging.getLogger(__name__)
 
+PAUSED_LOOK = 0.2  # seconds between two looks of a paused trainer with nothing in flight at whether it resumed
+
 REPORT_WINDOW = 30.0
 
 
@@ -88,6 +90,8 @@ class Trainer:
         self.samples = 0
         self.microbatches = 0
         self.failed_microbatches = 0
+        self.paused = False  # the owner paused the peer: no new microbatches (those in flight finish)
+        self.in_flight = 0  # microbatches sent and not yet finished
         self.bytes_sent = 0  # activations, gradients and tokens sent to stage peers (not counting local calls)
         self.bytes_received = 0
         self.recent: collections.deque[tuple[float, float, int]] = collections.deque()  # (time, loss, samples)
@@ -113,22 +117,34 @@ class Trainer:
         tasks: set[asyncio.Task] = set()
         try:
             while not stop.is_set() and (max_samples is None or self.samples < max_samples):
-                while len(tasks) < self.window.size:
+                while len(tasks) < self.window.size and not self.paused:
                     length = self.manifest.model.context_length
                     if isinstance(tokens, TrainingStream):
                         batch = tokens.next_batch(training.microbatch_size, length)
                     else:
                         batch = sample_batch(tokens, training.microbatch_size, length, data_rng)
                     tasks.add(asyncio.create_task(self._train_microbatch(*batch)))
+                self.in_flight = len(tasks)
+                if not tasks:  # paused, with nothing in flight
+                    await asyncio.sleep(PAUSED_LOOK)
+                    continue
                 done, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     self._collect(task)
+                self.in_flight = len(tasks)
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             reporter.cancel()
             await asyncio.gather(reporter, return_exceptions=True)
+
+    async def drained(self, timeout: float) -> bool:
+        """Paused: wait up to `timeout` for the microbatches in flight to finish; whether they did."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.in_flight == 0
 
     def _collect(self, task: asyncio.Task) -> None:
         try:

@@ -28,6 +28,7 @@ class PeerState(StrEnum):
     JOINING = "joining"  # chose the stage, is taking over its state; counted by balancing, not yet routed to
     ONLINE = "online"  # serves the stage
     OFFLINE = "offline"  # stopped serving it (left, or moved away)
+    PAUSED = "paused"  # its owner paused it: takes no microbatches, keeps the stage's state and hands it out
 
 
 MAX_TEXT = 256

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from swarm.client.trainer import Trainer
 from swarm.dataset import tokenizer_source
 from swarm.dataset.shards import TokenShards, TrainingStream, open_swarm_data
 from swarm.dataset.tokenizer import Tokenizer
-from swarm.events import OnEvent, ignore
+from swarm.events import Event, EventKind, OnEvent, ignore
 from swarm.manifests.manifest import Manifest
 from swarm.peer.context import PeerContext
 from swarm.server.reachability import ReachabilityService, ReverseConnector
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 CONNECT_PERIOD = 5.0  # seconds between a peer's looks for peers to connect to, when others cannot dial it
 REFUSED_RECORDS_TIMEOUT = 2.0  # seconds the status line waits for the DHT's count of refused records
+PAUSE_DRAIN_TIMEOUT = 30.0  # seconds a pausing peer waits for the microbatches in flight
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,9 @@ class Peer:
         self._reachability = ReachabilityService(manifest)
         self._stop = asyncio.Event()
         self._tasks: dict[str, asyncio.Task] = {}
+        self.on_event = on_event
+        self.paused = False  # by its owner (pause / resume)
+        self._pausing = asyncio.Lock()  # a pause and a resume never interleave
 
     async def start_services(self, metrics_address: tuple[str, int] | None = None) -> None:
         """What runs before the peer has a stage: reachability answers, the reverse connector (peers it downloads
@@ -178,6 +183,53 @@ class Peer:
             task = self._tasks.get(name)
             if task is not None and task.done() and not self._stop.is_set():
                 task.result()
+
+    # ------------------------------------------------------------------------------ the owner comes first
+
+    async def pause(self) -> None:
+        """The owner wants the machine back: the trainer sends no new microbatches, the stages announce paused
+        (routes avoid them; their state can still be downloaded), drain, and park their state in RAM, freeing the
+        device's memory (server/parking.py); the peer stays in the swarm's DHT. A `paused` event says how long
+        that took and how much device memory it freed."""
+        async with self._pausing:
+            if self.paused:
+                return
+            begin, self.paused = time.monotonic(), True
+            if self.trainer is not None:
+                self.trainer.paused = True
+            async with self.rebalancer.moving:  # not in the middle of a move
+                self.rebalancer.paused = True
+                freed = [await server.pause(PAUSE_DRAIN_TIMEOUT) for server in self.rebalancer.servers]
+            seconds = time.monotonic() - begin
+            drained = await self.trainer.drained(PAUSE_DRAIN_TIMEOUT) if self.trainer is not None else True
+            stages = [server.stage for server in self.rebalancer.servers]
+            logger.info(
+                f"paused: stages {stages} parked in RAM in {seconds:.1f}s ({sum(freed)} bytes of device memory)"
+            )
+            fields = {"seconds": round(seconds, 2), "device_bytes_freed": sum(freed), "stages": stages}
+            self.on_event(Event(EventKind.PAUSED, {**fields, "trainer_drained": drained}))
+
+    async def resume(self) -> None:
+        """Back to work: each stage's state goes back on the device and catches up with the stage (an online
+        peer's state if it went further while this one was paused), then the stages serve and the trainer trains
+        again. A `resumed` event says how long that took and where each stage's state came from."""
+        async with self._pausing:
+            if not self.paused:
+                return
+            begin = time.monotonic()
+            async with self.rebalancer.moving:
+                sources = []
+                for server in self.rebalancer.servers:
+                    await server.unpark()
+                    sources.append(str(await self.rebalancer.takeover.catch_up(server)))
+                    await server.serve_again()
+                self.rebalancer.paused = False
+            if self.trainer is not None:
+                self.trainer.paused = False
+            self.paused = False
+            seconds = time.monotonic() - begin
+            logger.info(f"resumed: serving again in {seconds:.1f}s (state from: {', '.join(sources) or 'nothing'})")
+            self.on_event(Event(EventKind.RESUMED, {"seconds": round(seconds, 2), "sources": sources}))
 
     async def shutdown(self) -> None:
         """Stop everything, each step bounded: on Ctrl-C the DHT process and p2p daemon may already be gone."""

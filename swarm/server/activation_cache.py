@@ -65,6 +65,9 @@ class ActivationCache:
         while self._forwards and now - next(iter(self._forwards.values())).created > seconds:
             self._forwards.popitem(last=False)
 
+    def clear(self) -> None:
+        self._forwards.clear()
+
     def _trim(self, limit: int) -> None:
         while len(self._forwards) > limit:
             self._forwards.popitem(last=False)

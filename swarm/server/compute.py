@@ -337,6 +337,11 @@ class StageCompute:
         oldest beyond it now (their backward recomputes forward from the inputs it carries)."""
         self._cache.keep_at_most(limit)
 
+    def drop_device_copies(self) -> None:
+        """Pausing (server/parking.py): drop every kept forward and the stash of the weights (both on the device)."""
+        self._cache.clear()
+        self._stash, self._stash_version = [], -1
+
     def forget_forwards(self, keys: list[tuple[str, str]]) -> None:
         """Drop the cached forwards of these (caller, microbatch id)s: their step gate slots were given up."""
         for key in keys:

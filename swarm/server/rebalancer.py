@@ -72,7 +72,8 @@ class Rebalancer:
         self.lengths: list[int] = []  # how many stages fit from each start (at most 1 without spans)
         self.work = stage_work(self.manifest)  # each stage's compute, in blocks
         self.per_block: Throughput | None = None  # measured: compute through one block, and the network
-        self._one_move = asyncio.Lock()  # a balance check's move and one that sheds a stage never interleave
+        self.moving = asyncio.Lock()  # a balance check's move, one that sheds a stage and a pause never interleave
+        self.paused = False  # the owner paused the peer (swarm/peer/pausing.py): no balance checks meanwhile
         self._shortening: asyncio.Task | None = None  # dropping a stage after running out of memory
 
     @property
@@ -225,6 +226,8 @@ class Rebalancer:
                 return
             except TimeoutError:
                 pass
+            if self.paused:
+                continue
             try:
                 if self.options.stage is not None:
                     if self.meter.network_is_assumed:
@@ -264,7 +267,9 @@ class Rebalancer:
     async def move(self, start: int, end: int | None = None) -> bool:
         """Move to stages [start, end) (one stage if `end` is None; see the module's docstring): the stages it does
         not serve yet are taken over first, then it leaves the ones it no longer serves. False if called off."""
-        async with self._one_move:
+        async with self.moving:
+            if self.paused:  # decided before the owner paused the peer
+                return False
             return await self._move(start, end)
 
     def shorten_span(self) -> bool:
@@ -277,7 +282,7 @@ class Rebalancer:
         return True
 
     async def _shorten(self, start: int, end: int) -> None:
-        async with self._one_move:
+        async with self.moving:
             if self.span != (start, end):  # it moved meanwhile: the new span is another question
                 return
             try:

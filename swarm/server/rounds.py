@@ -83,6 +83,7 @@ class AveragingRounds:
         self.gate = gate  # the stage's step gate: a round is applied between two steps (server/step_gate.py)
         self.worker, self.averager, self.traffic, self.counters = worker, averager, traffic, counters
         self.announce, self.on_event = announce, on_event
+        self.active = True  # False while the owner has the peer paused (server/stage.py: no rounds then)
         self._view: AnnouncementCache | None = None
         self._p2p: P2P | None = None
         self._last_seen: dict[str, float] = {}  # peer id -> DHT time this peer last saw it online in the stage
@@ -110,6 +111,8 @@ class AveragingRounds:
         )
         while True:
             await asyncio.sleep(ROUND_CHECK_PERIOD)
+            if not self.active:  # paused by its owner: its state is parked, it catches up on resuming
+                continue
             try:
                 await self._check()
             except asyncio.CancelledError:

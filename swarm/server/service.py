@@ -278,7 +278,8 @@ class StageService(StageRPC):
         except BadRequestError as e:
             yield admission.bad_request(caller, str(e))
             return
-        if self.state() != PeerState.ONLINE or self._control_calls >= MAX_CONTROL_CALLS:
+        # a paused peer still hands its state out: it may be the stage's only holder while its owner has it paused
+        if self.state() not in (PeerState.ONLINE, PeerState.PAUSED) or self._control_calls >= MAX_CONTROL_CALLS:
             yield admission.busy(f"this peer is {self.state()} or busy; try another peer")
             return
         self._control_calls += 1

@@ -43,6 +43,7 @@ from swarm.server.checkpoint import save_checkpoint
 from swarm.server.compute import StageCompute
 from swarm.server.dispatch import StageDispatcher
 from swarm.server.forwarding import Forwarder
+from swarm.server.parking import Parked, park, unpark
 from swarm.server.request_path import RequestPath
 from swarm.server.rounds import AveragingRounds, RoundCounters
 from swarm.server.service import StageService
@@ -130,6 +131,7 @@ class StageServer:
         self.dispatcher = dispatcher if dispatcher is not None else StageDispatcher(manifest)
         self._handlers_added = False  # its service is in the dispatcher
         self._went_online = False  # a server that never served has nothing worth a checkpoint
+        self._parked: Parked | None = None  # what pausing moved to RAM (server/parking.py)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -189,16 +191,38 @@ class StageServer:
             self._tasks.append(asyncio.create_task(self._checkpoint_forever()))
         logger.info(f"serving stage {self.stage} (layers {list(self.layers)}) as {self.peer_id}")
 
-    async def drain(self, timeout: float) -> None:
+    async def drain(self, timeout: float, state: PeerState = PeerState.OFFLINE) -> None:
         """Stop taking new requests (they get 'busy' replies) and wait, up to `timeout`, for those in flight."""
-        self.state = PeerState.OFFLINE
+        self.state = state
         try:
             await asyncio.wait_for(self.announcer.announce(), timeout=timeout)
         except Exception as e:
-            logger.warning(f"announcing offline failed: {e!r}")
+            logger.warning(f"announcing {state} failed: {e!r}")
         deadline = time.monotonic() + timeout
         while (self.admission.pending > 0 or self.forwarder.in_flight > 0) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
+    async def pause(self, timeout: float) -> int:
+        """The owner wants the device back: announce paused (routes avoid it, its stage's peers may still download
+        its state), take no part in rounds, drain, and park the state in RAM (server/parking.py). Bytes freed."""
+        if self.rounds is not None:
+            self.rounds.active = False
+        await self.drain(timeout, PeerState.PAUSED)
+        self._parked = await self.worker.run(park)
+        return self._parked.bytes_moved
+
+    async def unpark(self) -> None:
+        """After a pause: the state back on the device (still paused: the caller catches it up with the stage)."""
+        parked, self._parked = self._parked, None
+        if parked is not None:
+            await self.worker.run(lambda compute: unpark(compute, parked))
+
+    async def serve_again(self) -> None:
+        """After a pause, unparked and caught up: online again."""
+        self.state = PeerState.ONLINE
+        if self.rounds is not None:
+            self.rounds.active = True
+        await self.announcer.announce()
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Announce offline, stop taking requests, finish the work in flight.

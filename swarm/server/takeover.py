@@ -1,6 +1,8 @@
 """Where a stage's state comes from when this peer starts serving it: an online peer of the stage (fastest
-first), this peer's own checkpoint when that is further ahead or nobody serves the stage any more, or, when
-neither exists, the seed initialisation. Every outcome is reported as a `state_taken` event."""
+first; then a paused one, which keeps its state for the stage), this peer's own checkpoint when that is further
+ahead or nobody serves the stage any more, or, when neither exists, the seed initialisation. A peer that resumes
+after a pause catches up: an online peer's state if that went further than its own (`catch_up`). Every outcome is
+reported as a `state_taken` event."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.client.rpc import download_state
 from swarm.dht.announcement_cache import AnnouncementCache
-from swarm.dht.records import Announcement, announcement_lifetime
+from swarm.dht.records import Announcement, PeerState, announcement_lifetime
 from swarm.events import Event, EventKind, OnEvent, StateSource
 from swarm.hf import pretrained
 from swarm.manifests.manifest import Manifest
@@ -50,6 +52,7 @@ class StateTakeover:
         stage = server.stage
         await self.view.all_stages(force=True)
         sources = self._fastest(await other_online_peers(self.view, stage, self.peer_id))
+        sources += await self._paused_peers(stage)  # the stage's state as their owners paused them
         checkpoint = find_checkpoint(server.options.checkpoint_dir, self.manifest, stage)
         if checkpoint is not None and not sources:
             # The stage trained before. Its peers' records may have lapsed for a moment (a DHT store that waits on an
@@ -102,6 +105,41 @@ class StateTakeover:
         logger.info(f"no online peer serves stage {stage} and no checkpoint of it: starting afresh")
         self._report(stage, StateSource.FRESH, "", {}, 0.0, reason)
         return True
+
+    async def catch_up(self, server: StageServer) -> StateSource:
+        """On resuming after a pause: the state of an online peer of the stage that went further than this peer's
+        own (averaging rounds, then optimizer steps), else its own. Where the state came from."""
+        stage, counters = server.stage, server.worker.counters
+        own = (counters.averaging_round, counters.optimizer_steps)
+        await self.view.all_stages(force=True)
+        shapes = stage_state_shapes(self.manifest, stage)
+        for source in self._fastest(await other_online_peers(self.view, stage, self.peer_id)):
+            begin = time.monotonic()
+            try:
+                items, theirs = await download_state(
+                    self.p2p, source.peer_id, self.manifest, stage, shapes, STATE_DOWNLOAD_TIMEOUT
+                )
+                if progress(theirs) <= own:
+                    break  # the stage went no further than this peer while it was paused
+                await server.load_state(items, theirs)
+            except Exception as e:  # a refusal, a timeout or a malformed state: another peer, or its own
+                logger.warning(f"state download of stage {stage} from {source.peer_id[-8:]} failed: {e!r}")
+                continue
+            seconds = time.monotonic() - begin
+            logger.info(f"caught up with stage {stage}: the state of peer {source.peer_id[-8:]} in {seconds:.1f}s")
+            self._report(stage, StateSource.PEER, source.peer_id, theirs, seconds, "resume")
+            return StateSource.PEER
+        fields = {"optimizer_steps": own[1], "averaging_round": own[0]}
+        self._report(stage, StateSource.OWN, "", fields, 0.0, "resume")
+        return StateSource.OWN
+
+    async def _paused_peers(self, stage: int) -> list[Announcement]:
+        now = get_dht_time()
+        return [
+            a
+            for a in await self.view.stage(stage)
+            if a.state == PeerState.PAUSED and a.expiration > now and a.peer_id != self.peer_id
+        ]
 
     @staticmethod
     def _fastest(sources: list[Announcement]) -> list[Announcement]:

@@ -28,7 +28,7 @@ def short_id(peer_id: str) -> str:
 
 
 def peer_status(ann: Announcement, now: float, announce_period: float) -> tuple[str, float]:
-    """(status, seconds since its last announcement). Status: joining, online, stale or offline."""
+    """(status, seconds since its last announcement). Status: joining, online, paused, stale or offline."""
     last_seen = max(0.0, now - (ann.expiration - announcement_lifetime(announce_period)))
     if ann.state == PeerState.OFFLINE:
         return "offline", last_seen
@@ -45,7 +45,7 @@ def peer_document(ann: Announcement, now: float, announce_period: float) -> dict
     return document
 
 
-STATUS_RANK = {"online": 0, "joining": 1, "stale": 2, "offline": 3, "gone": 4}
+STATUS_RANK = {"online": 0, "joining": 1, "paused": 2, "stale": 3, "offline": 4, "gone": 5}
 
 
 def one_record_per_peer(peers: list[dict[str, Any]]) -> list[dict[str, Any]]:
