@@ -2,7 +2,8 @@
 
 This program parses its flags (peers/swarm_peer_args.py), starts the peer's DHT node, runs the Peer
 (swarm/peer/peer.py) until it is stopped, and prints: what the start-up found (swarm/peer/startup.py), status lines
-and events, as sentences or, with --json, as one JSON object per line.
+and events, as sentences or, with --json, as one JSON object per line. With --check it runs the preflight
+(swarm/preflight/) instead, and prints its table.
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from peers import runtime
+from peers.gpu_peers import run_gpu_peers
 from peers.swarm_peer_args import parse_args
 from swarm.dht import joining, node
 from swarm.dht.records import announceable
@@ -25,8 +31,11 @@ from swarm.errors import PeerStartError, SwarmError
 from swarm.events import Event, EventKind
 from swarm.manifests.manifest import Manifest
 from swarm.network.startup_cache import StartupCache
+from swarm.peer.owner import OwnerRules
 from swarm.peer.peer import Peer, TrainingOptions
 from swarm.peer.startup import PeerIdentity, claim_peer_identity, find_reachability, publish_addresses
+from swarm.preflight.checks import VERDICTS, ExitCode, Status
+from swarm.preflight.run import PreflightOptions, PreflightResult, run_preflight
 from swarm.server.checkpoint import default_checkpoint_dir
 from swarm.server.stage import ServingOptions, StageServer
 from swarm.watch.stats import PeerSnapshot
@@ -36,6 +45,10 @@ logger = logging.getLogger("swarm-peer")
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.check:  # before anything else starts: the check joins nothing and changes nothing
+        return run_check(args)
+    if args.gpus is not None:  # one swarm-peer per GPU, each with these flags and a device of its own
+        return run_gpu_peers(sys.argv[1:] if argv is None else argv, args.gpus)
     runtime.setup_logging(args.log_level)
     runtime.quiet_vanished_streams()  # before the DHT process starts: it inherits the filter
     dht = None
@@ -89,6 +102,55 @@ def main(argv: list[str] | None = None) -> int:
         # that appeared since this peer started and that nobody listens on any more (live daemons are left alone)
         node.remove_stale_sockets(node.daemon_sockets() - sockets_before)
         identity.release()
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """swarm-peer --check: the preflight (swarm/preflight/), its progress on stderr, then a table (or one JSON
+    object with --json); the exit code says whether this machine can serve (0), only train (1) or not join (2)."""
+    runtime.setup_logging("ERROR")  # the table is the output: hivemind's chatter would bury it
+    runtime.quiet_vanished_streams()  # before the DHT process starts: it inherits the filter
+    options = PreflightOptions(
+        join=args.join,
+        device=args.device,
+        max_memory=args.max_memory,
+        offload_optimizer=args.offload_optimizer,
+        stage=args.stage,
+        span=args.span,
+        host_maddrs=args.host_maddrs or node.ALL_INTERFACES,
+        announce_maddrs=args.announce_maddrs,
+        no_listen=args.no_listen,
+        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        trainer=args.trainer,
+        data=args.data,
+    )
+    started = time.monotonic()
+
+    def progress(step: str) -> None:
+        print(f"[{time.monotonic() - started:4.1f} s] {step}...", file=sys.stderr, flush=True)
+
+    result = run_preflight(options, progress)
+    if args.json:
+        print(json.dumps(result.to_dict()), flush=True)
+    else:
+        print_check_table(result)
+    return int(result.exit_code)
+
+
+CHECK_STYLES = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
+
+
+def print_check_table(result: PreflightResult) -> None:
+    console = Console() if sys.stdout.isatty() else Console(width=160)  # piped: do not squeeze the table
+    table = Table(title="swarm-peer --check", title_justify="left")
+    for column in ("check", "status", "detail", "what to do"):
+        table.add_column(column, overflow="fold")
+    for check in result.checks:
+        status = Text(str(check.status), style=CHECK_STYLES[check.status])
+        table.add_row(check.name.replace("_", " "), status, check.detail, check.remedy)
+    console.print(table)
+    code = result.exit_code
+    style = {ExitCode.CAN_SERVE: "bold green", ExitCode.TRAINER_ONLY: "bold yellow"}.get(code, "bold red")
+    console.print(Text(f"{VERDICTS[code]} (exit code {int(code)})", style=style))
 
 
 def decide_reachability(
@@ -154,6 +216,7 @@ async def run_peer(
         check_stage_flag(args, manifest)
     node.sign_records(dht, manifest, identity.key)  # before any record is written or read
     print(f"swarm {manifest.name!r} (id {manifest.swarm_id}), peer {dht.peer_id}", flush=True)
+    print(f"process {os.getpid()}: pause it with kill -USR1 {os.getpid()}, resume with kill -USR2 {os.getpid()}")
     maddrs = [] if args.no_listen else node.visible_maddrs(dht)  # hivemind logs an error for a non-listener
     if args.reachable:
         print("reachable at:", flush=True)
@@ -198,6 +261,8 @@ async def run_peer(
         )
 
     peer = Peer(manifest, dht, p2p, device, serving, training, on_switch, lambda e: print_event(e, args.json))
+    runtime.install_pause_handlers(peer.pause, peer.resume)  # kill -USR1 / -USR2 <pid>: pause / resume
+    rules_task: asyncio.Task | None = None  # the owner's rules (--hours, --yield-gpu), once the peer serves
     try:
         metrics = None if args.metrics_port is None else (args.metrics_host, args.metrics_port)
         await peer.start_services(metrics)
@@ -210,6 +275,14 @@ async def run_peer(
                 f"({peer.data.folder}), in an order of this peer's own",
                 flush=True,
             )
+        if args.hours is not None or args.yield_gpu:  # the owner's rules pause and resume the peer by themselves
+            gpu = (device.index or 0) if device.type == "cuda" else None
+            rules = OwnerRules(
+                peer.pause, peer.resume, lambda: peer.paused, args.hours, gpu if args.yield_gpu else None
+            )
+            rules_task = asyncio.create_task(rules.run(stop))
+            if args.yield_gpu and gpu is None:
+                print("--yield-gpu: this peer computes on the CPU, so it yields no GPU", flush=True)
         started, refused = time.monotonic(), 0
         while not stop.is_set():
             try:
@@ -224,6 +297,8 @@ async def run_peer(
             refused = refused if counted is None else counted  # None: the DHT's process is busy; the last count stands
             print_progress(peer.snapshot(), args.json, refused)
     finally:
+        if rules_task is not None:
+            rules_task.cancel()
         await peer.shutdown()
         print("stopped cleanly", flush=True)
     return 0
@@ -292,11 +367,19 @@ def print_event(event: Event, as_json: bool) -> None:
             "peer": f"from peer {f['peer_id'][-8:]}",
             "checkpoint": "from this peer's checkpoint",
             "pretrained": "from the pretrained model",
+            "own": "it kept while paused (the stage went no further)",
         }
         text = (
             f"took the state of stage {f['stage']} {origin.get(f['source'], 'afresh (nobody had it)')}: "
             f"{f['optimizer_steps']} optimizer steps, averaging round {f['averaging_round']}"
         )
+    elif event.kind == EventKind.PAUSED:
+        text = (
+            f"paused: stages {f['stages']} drained and parked in RAM in {f['seconds']} s, "
+            f"{f['device_bytes_freed'] / 2**20:.0f} MiB of device memory freed; resume with: kill -USR2 {os.getpid()}"
+        )
+    elif event.kind == EventKind.RESUMED:
+        text = f"resumed: serving again after {f['seconds']} s (state: {', '.join(f['sources']) or 'none'})"
     elif event.kind == EventKind.OUT_OF_MEMORY:
         shed = {"smaller_window": "kept fewer microbatches", "shorter_span": "dropping the span's last stage"}
         text = (

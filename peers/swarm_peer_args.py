@@ -12,7 +12,8 @@ from swarm import __version__
 from swarm.capacity.budget import parse_memory
 from swarm.client.checks import CHECK_FRACTION
 from swarm.dht.records import MAX_THROUGHPUT
-from swarm.errors import CapacityError
+from swarm.errors import CapacityError, PeerStartError
+from swarm.peer.owner import Hours, parse_hours
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
 
 EXAMPLES = """\
@@ -46,6 +47,22 @@ examples:
       testing aid: behave like a device 4x slower than this one (compute takes 4x as long)
   swarm-peer --join my-swarm.json --metrics-port 9100 --metrics-host 0.0.0.0
       serve Prometheus metrics at http://<this machine>:9100/metrics, for a Prometheus on another machine
+  swarm-peer --check --join https://example.org/my-swarm.json#0123456789abcdef
+      before lending a machine: check it (software and GPU, memory, disk, the manifest, the initial peers,
+      reachability, bandwidth, clock) without joining; a table of pass / warn / fail (--json: one JSON object)
+  swarm-peer --join my-swarm.json --gpus all --host-maddrs /ip4/0.0.0.0/tcp/31337
+      one peer per GPU of this machine (ports 31337, 31338, ...), each with an identity of its own
+  swarm-peer --join my-swarm.json --hours 22-08 --yield-gpu
+      lend the machine at night, and give the GPU back whenever another program (a game) uses it
+  kill -USR1 <pid>   /   kill -USR2 <pid>
+      pause a running peer (it drains, frees the GPU, stays in the swarm) / resume it (it catches up first);
+      the peer prints its process id at start
+
+exit codes: 0 a clean stop; 2 an error, at start or later (one line says what went wrong and what to do: flags,
+manifest, initial peers, port, identity, device, --gpus without a GPU).
+exit codes of --check: 0 this machine can join and serve a stage, 1 it can join only as a trainer (the table
+says why: no stage fits in its memory, or --device fails), 2 it cannot join (manifest unreadable or of another
+swarm, no initial peer answers, or a clock off by more than a record's lifetime)
 """
 
 
@@ -57,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     runtime.add_join_argument(parser)
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check whether this machine can join the swarm and serve a stage, and exit (0: it can, 1: only as a "
+        "trainer, 2: it cannot join); it joins nothing and changes nothing (with --json: one JSON object)",
+    )
     parser.add_argument(
         "--new-swarm",
         action="store_true",
@@ -169,6 +192,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "with its own --identity and port), or mps",
     )
     parser.add_argument(
+        "--gpus",
+        default=None,
+        type=_gpus,
+        metavar="all|N,M",
+        help="one peer per GPU under this one command (all visible GPUs, or the listed ones), each with its own "
+        "identity (PATH.gpuN with --identity, else in the cache folder) and port (a fixed port P becomes P+N)",
+    )
+    parser.add_argument(
+        "--hours",
+        default=None,
+        type=_hours,
+        metavar="START-END",
+        help="run only between these hours of the local clock, e.g. 22-08; outside them the peer pauses itself "
+        "(drained, its state in RAM, still in the swarm) and resumes when they come again",
+    )
+    parser.add_argument(
+        "--yield-gpu",
+        action="store_true",
+        help="pause while another program computes on this peer's GPU (as nvidia-smi lists them), resume after",
+    )
+    parser.add_argument(
         "--span",
         type=int,
         default=1,
@@ -195,7 +239,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print status lines and events (moves, state taken, averaging rounds) as JSON, one object per line",
+        help="print status lines and events (moves, state taken, averaging rounds) as JSON, one object per line "
+        "(with --check: the checks as one JSON object)",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of the trainer's data order (default: random)")
     parser.add_argument(
@@ -233,6 +278,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--bandwidth must be a positive number of Mbit/s")
     if not 0 < args.simulated_speed <= 1:
         parser.error("--simulated-speed must be in (0, 1]: it can only slow a device down")
+    if args.check and (args.new_swarm or args.write_manifest):
+        parser.error("--check changes nothing: it goes with neither --new-swarm nor --write-manifest")
     if args.new_swarm and args.write_manifest is None and not Path(args.join).is_file():
         parser.error(
             "--new-swarm writes this peer's addresses into the manifest: --join must be a manifest file, "
@@ -246,6 +293,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--public-name must be at most 64 printable characters")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         parser.error("--metrics-port must be a port number from 1 to 65535, or 0 for any free port")
+    if args.gpus is not None and (args.device != "auto" or args.check):
+        parser.error("--gpus runs a peer on each GPU it names: it goes with neither --device nor --check")
+    if args.yield_gpu and args.device in ("cpu", "mps"):
+        parser.error(
+            "--yield-gpu gives a CUDA GPU back to its owner's programs: it needs --device auto, cuda or cuda:N"
+        )
     if args.metrics_host is not None and args.metrics_port is None:
         parser.error("--metrics-host needs --metrics-port (metrics are off without it)")
     args.metrics_host = args.metrics_host or "127.0.0.1"
@@ -256,6 +309,19 @@ def _device(text: str) -> str:
     if text in ("auto", "cpu", "cuda", "mps") or re.fullmatch(r"cuda:\d{1,2}", text):
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is not a device: write auto, cpu, cuda, cuda:N or mps")
+
+
+def _gpus(text: str) -> str:
+    if text == "all" or re.fullmatch(r"\d{1,2}(,\d{1,2})*", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: write all, or GPU numbers such as 0,1")
+
+
+def _hours(text: str) -> Hours:
+    try:
+        return parse_hours(text)
+    except PeerStartError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _memory(text: str) -> int:

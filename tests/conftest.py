@@ -78,7 +78,7 @@ def pytest_collection_modifyitems(config, items):
 # (tests/fuzz_rpc/) or a module's. Under pytest-xdist each entry is one unit of work, sent whole to one worker,
 # which runs its tests in order and starts the swarm once. (xdist's own --dist loadgroup would group xdist_group
 # marks, but xdist 3.8's loadgroup renames test ids in a way that pytest 9 ignores: see below.)
-SHARED_SWARMS = ("tests/fuzz_rpc/", "tests/test_attacks_on_one_swarm.py")
+SHARED_SWARMS = ("tests/fuzz_rpc/", "tests/test_attacks_on_one_swarm.py", "tests/test_preflight.py")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -186,7 +186,7 @@ class Peer:
 
     # ------------------------------------------------------------------------------ the owner comes first
 
-    async def pause(self) -> None:
+    async def pause(self, reason: str = "asked to") -> None:
         """The owner wants the machine back: the trainer sends no new microbatches, the stages announce paused
         (routes avoid them; their state can still be downloaded), drain, and park their state in RAM, freeing the
         device's memory (server/parking.py); the peer stays in the swarm's DHT. A `paused` event says how long
@@ -204,9 +204,10 @@ class Peer:
             drained = await self.trainer.drained(PAUSE_DRAIN_TIMEOUT) if self.trainer is not None else True
             stages = [server.stage for server in self.rebalancer.servers]
             logger.info(
-                f"paused: stages {stages} parked in RAM in {seconds:.1f}s ({sum(freed)} bytes of device memory)"
+                f"paused ({reason}): stages {stages} parked in RAM in {seconds:.1f}s ({sum(freed)} device bytes)"
             )
             fields = {"seconds": round(seconds, 2), "device_bytes_freed": sum(freed), "stages": stages}
+            fields["reason"] = reason
             self.on_event(Event(EventKind.PAUSED, {**fields, "trainer_drained": drained}))
 
     async def resume(self) -> None:
