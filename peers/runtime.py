@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -11,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from swarm.errors import PeerStartError
+from swarm.files import cache_root
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -56,6 +58,20 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_message(error: OSError, checkpoint_dir: str | None) -> str:
+    """What to do when a disk is full: where the peer writes, and how to move it."""
+    where = f" ({error.filename})" if error.filename else ""
+    checkpoints = checkpoint_dir or f"{cache_root()}/checkpoints"
+    return (
+        f"the disk is full{where}: the peer writes its dataset's tokens and caches under {cache_root()} and its "
+        f"checkpoints under {checkpoints}; free some space there, or set SWARM_CACHE_DIR and --checkpoint-dir to a "
+        "disk with room (swarm-peer --check says how much it needs)"
+    )
 
 
 PAUSE_SIGNAL, RESUME_SIGNAL = signal.SIGUSR1, signal.SIGUSR2

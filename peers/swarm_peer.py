@@ -96,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     except SwarmError as e:
         print(f"swarm-peer: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in runtime.DISK_FULL:
+            raise
+        print(f"swarm-peer: error: {runtime.disk_full_message(e, args.checkpoint_dir)}", file=sys.stderr)
+        return 2
     finally:
         dht.shutdown()
         # a Ctrl-C to the whole process group can end p2pd before it removes its socket file: remove the ones

@@ -159,6 +159,33 @@ def test_a_port_in_use_is_named_with_what_to_do(tmp_path):
     assert "choose another port in --host-maddrs" in out and "Traceback" not in out
 
 
+def test_a_full_disk_is_named_with_what_to_do(tmp_path):
+    """The trainer's dataset cache does not fit in a 256 kB file system (a tmpfs this test mounts: it needs root)."""
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        path = tmp_path / "m.json"
+        path.write_text(json.dumps(tiny_manifest_dict()))
+        env = {**os.environ, "SWARM_CACHE_DIR": str(disk / "cache")}
+        result = subprocess.run(
+            [sys.executable, "-m", "peers.swarm_peer", "--join", str(path), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=90,
+            start_new_session=True,
+            env=env,
+        )
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    assert f"swarm-peer: error: the disk is full: the peer writes its dataset's tokens and caches under {disk}" in out
+    assert "set SWARM_CACHE_DIR and --checkpoint-dir to a disk with room" in out and "Traceback" not in out
+
+
 def test_unreachable_initial_peers_fail_fast(tmp_path):
     # a valid address on loopback where nobody listens
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
