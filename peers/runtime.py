@@ -13,6 +13,8 @@ import torch
 
 from swarm.errors import PeerStartError
 from swarm.files import cache_root
+from swarm.preflight.checks import no_cuda_reason
+from swarm.preflight.probes import nvidia_driver
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -24,14 +26,20 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device --device names (auto: a GPU torch can use, else the CPU, saying why when a GPU is there but
+    unusable); PeerStartError, with the cause and the remedy, for one this machine cannot give."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return torch.device("mps")
+        driver = nvidia_driver()
+        if driver:  # a GPU is there, but this torch cannot use it: a volunteer would want to know
+            print(f"computing on the CPU: {no_cuda_reason(torch.__version__, torch.version.cuda, driver)}", flush=True)
         return torch.device("cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise PeerStartError(f"--device {name} was asked for, but torch sees no CUDA GPU; use --device auto or cpu")
+        reason = no_cuda_reason(torch.__version__, torch.version.cuda, nvidia_driver())
+        raise PeerStartError(f"--device {name} was asked for, but {reason}")
     if name.startswith("cuda:") and int(name.split(":")[1]) >= torch.cuda.device_count():
         count = torch.cuda.device_count()
         raise PeerStartError(

@@ -31,6 +31,7 @@ from swarm.errors import PeerStartError, SwarmError
 from swarm.events import Event, EventKind
 from swarm.manifests.manifest import Manifest
 from swarm.network.startup_cache import StartupCache
+from swarm.peer.clock import check_clock
 from swarm.peer.owner import OwnerRules
 from swarm.peer.peer import Peer, TrainingOptions
 from swarm.peer.startup import PeerIdentity, claim_peer_identity, find_reachability, publish_addresses
@@ -221,6 +222,9 @@ async def run_peer(
         check_stage_flag(args, manifest)
     node.sign_records(dht, manifest, identity.key)  # before any record is written or read
     print(f"swarm {manifest.name!r} (id {manifest.swarm_id}), peer {dht.peer_id}", flush=True)
+    clock = await check_clock(p2p, manifest, str(dht.peer_id))  # far off: PeerStartError, one line and exit 2
+    if clock is not None and clock.status == Status.WARN:
+        print(f"warning: {clock.detail}; {clock.remedy}", flush=True)
     print(f"process {os.getpid()}: pause it with kill -USR1 {os.getpid()}, resume with kill -USR2 {os.getpid()}")
     maddrs = [] if args.no_listen else node.visible_maddrs(dht)  # hivemind logs an error for a non-listener
     if args.reachable:
@@ -385,6 +389,12 @@ def print_event(event: Event, as_json: bool) -> None:
         )
     elif event.kind == EventKind.RESUMED:
         text = f"resumed: serving again after {f['seconds']} s (state: {', '.join(f['sources']) or 'none'})"
+    elif event.kind == EventKind.TRAINS_ONLY:
+        why = "it computes too slowly beside the serving peers" if f["too_slow"] else "its memory holds no stage"
+        text = (
+            f"this CPU peer trains only: {why} ({f['reason']}). Its microbatches are computed by the serving "
+            "peers. To serve anyway, pin a stage with --stage N"
+        )
     elif event.kind == EventKind.OUT_OF_MEMORY:
         shed = {"smaller_window": "kept fewer microbatches", "shorter_span": "dropping the span's last stage"}
         text = (

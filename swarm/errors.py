@@ -142,6 +142,11 @@ class CapacityError(SwarmError):
     size or a machine description (--max-memory, --expect) cannot be read."""
 
 
+class TooSlowToServeError(CapacityError):
+    """A CPU peer computes a block too slowly beside the swarm's serving peers to be of use as one of them (the
+    message has the numbers); it trains instead (swarm/capacity/role.py)."""
+
+
 class EmulatedLinkError(SwarmError):
     """An emulated link (swarm/network/emulated_links.py) was given a spec it cannot parse, or a name or port
     that is taken or invalid."""

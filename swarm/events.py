@@ -32,6 +32,7 @@ class EventKind(StrEnum):
     OUT_OF_MEMORY = "out_of_memory"  # a request ran out of memory: it was answered busy, and the stage shed work
     PAUSED = "paused"  # the owner paused the peer: it drained, and its device memory is free
     RESUMED = "resumed"  # the owner resumed it: it caught up with its stage and serves again
+    TRAINS_ONLY = "trains_only"  # a CPU peer that holds no stage, or too slowly to help, trains without serving
 
 
 class StateSource(StrEnum):

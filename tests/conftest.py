@@ -152,14 +152,19 @@ class PeerStarter:
         self.folder, self.started = folder, []
 
     def __call__(
-        self, manifest_path: Path, *flags: str, cache_dir: Path | None = None, module: str = "peers.swarm_peer"
+        self,
+        manifest_path: Path,
+        *flags: str,
+        cache_dir: Path | None = None,
+        module: str = "peers.swarm_peer",
+        env: dict[str, str] | None = None,
     ) -> PeerProcess:
         # --duration: even a peer orphaned by a killed test run stops by itself
         args = [*processes.loopback_args(manifest_path), "--duration", "900", *flags]
         # each test measures throughput afresh: its own cache (or `cache_dir`), never the user's
         cache = cache_dir or self.folder / "cache"
         log = self.folder / f"peer{len(self.started)}.log"
-        peer = processes.start_peer(args, log, cache_dir=cache, module=module)
+        peer = processes.start_peer(args, log, cache_dir=cache, env=env, module=module)
         self.started.append(peer)
         return peer
 

@@ -15,6 +15,7 @@ from swarm.balancing.spans import SpanPeer, better_span, choose_span, coverage, 
 from swarm.capacity.budget import MemoryBudget, check_fits, parse_memory, usable_budget
 from swarm.capacity.costs import MemorySettings, activation_bytes_per_token, longest_span, span_cost, span_lengths
 from swarm.capacity.plan import parse_expect, plan_swarm
+from swarm.capacity.role import slow_serving_reason
 from swarm.errors import BalancingError, CapacityError
 from swarm.manifests.presets import new_manifest
 
@@ -223,3 +224,12 @@ def test_swarm_plan_prints_json_a_user_can_read_and_refuses_bad_machines(capsys)
     assert "COUNTxMEMORY@FLOPS/UPLINK" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--join", "m.json", "--stages", "4", "--expect", expect])  # a manifest has its own stages
+
+
+def test_a_cpu_serves_unless_it_is_under_a_twentieth_of_the_median_serving_peer():
+    assert slow_serving_reason(3.0, []) is None  # nobody serves: it is the only help there is
+    assert slow_serving_reason(3.0, [0.0]) is None  # a peer still measuring (rate 0) is no comparison
+    assert slow_serving_reason(50.0, [60.0, 80.0, 100.0]) is None  # an all-CPU swarm: the demo's
+    reason = slow_serving_reason(3.0, [100.0, 120.0, 5000.0])  # GPUs; one liar does not move the median
+    assert reason is not None and "3.0 samples/s through a block, 2.5% of the 120.0" in reason
+    assert slow_serving_reason(6.0, [100.0, 120.0, 5000.0]) is None  # 5%: useful

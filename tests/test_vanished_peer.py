@@ -6,14 +6,16 @@ the trainer and each hop ping a peer whose reply is late, and give up on one tha
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 import pytest
+from hivemind.proto import runtime_pb2
 
 from conftest import tiny_manifest_dict
+from swarm.client import rpc
 from swarm.network.emulated_links import EmulatedLinks, LinkSpec
-
-pytestmark = pytest.mark.integration
 
 GOAL = 10.0  # seconds of progress a vanished peer may cost the swarm (issue 33)
 LINK = LinkSpec.parse("100mbit/5ms")
@@ -50,6 +52,7 @@ def busiest(peers: dict, seconds: float = 2.0) -> str:
     return max(peers, key=lambda name: served(peers[name]) - before[name])
 
 
+@pytest.mark.integration
 @pytest.mark.slow(60)
 def test_a_vanished_stage_peer_costs_the_swarm_seconds_not_its_fixed_timeouts(start_peer, write_manifest):
     raw = tiny_manifest_dict(
@@ -86,3 +89,31 @@ def test_a_vanished_stage_peer_costs_the_swarm_seconds_not_its_fixed_timeouts(st
         stall = longest_stall(trainer, 200, timeout=60)
         print(f"a stage-0 peer vanished: the trainer's longest stretch without progress {stall:.1f} s")
         assert stall < GOAL, f"the trainer made no progress for {stall:.1f} s after a stage-0 peer vanished"
+
+
+def test_a_state_download_whose_sender_goes_silent_stops_at_the_stall_deadline_and_shows_progress(caplog):
+    """A stage's state is gigabytes for a large model: minutes over a home uplink, so its download has no short
+    fixed deadline. It shows its progress, and stops when nothing comes for the stall deadline (a vanished sender)."""
+
+    async def sender():  # 2 parts at once, then 2 more a while apart, then silence
+        for pause in (0, 0, 0.3, 0.3, 60):
+            await asyncio.sleep(pause)
+            yield runtime_pb2.ExpertResponse(metadata=b"x" * 1000)
+
+    async def receive() -> int:
+        count = 0
+        async for _ in rpc._watched(sender(), "state of stage 1 from peer abc", 5000, stall=1.0):
+            count += 1
+        return count
+
+    rpc.STATE_PROGRESS_EVERY, every = 0.2, rpc.STATE_PROGRESS_EVERY
+    try:
+        with caplog.at_level(logging.INFO, logger="swarm.client.rpc"):
+            begin = time.monotonic()
+            with pytest.raises(TimeoutError, match="nothing came for 1 s after 0.0 MiB"):
+                asyncio.run(receive())
+    finally:
+        rpc.STATE_PROGRESS_EVERY = every
+    assert time.monotonic() - begin < 3
+    assert "state of stage 1 from peer abc: 0 of 0 MiB" in caplog.text  # a progress line, with its rate
+    assert "Mbit/s" in caplog.text

@@ -180,23 +180,66 @@ async def ping(p2p: P2P, peer_id: str, manifest: Manifest, timeout: float = 5.0)
 
 
 TRUNCATED_STATE_ATTEMPTS = 3
+STATE_STALL_TIMEOUT = 30.0  # seconds without a byte of a state download: its sender is gone
+STATE_PROGRESS_EVERY = 15.0  # seconds between the progress lines of a long state download
+MIN_STATE_RATE = 1_000_000  # bytes/s (8 Mbit/s) that state_deadline allows a download at the least
+
+
+def state_deadline(shapes: dict[str, tuple[int, ...]], floor: float) -> float:
+    """Seconds a state download of `shapes` may take in all: `floor`, plus its bytes at MIN_STATE_RATE (a stage of
+    a large model is gigabytes: minutes over a home uplink). A sender that vanishes is noticed sooner, by the
+    stall deadline."""
+    return floor + sum(4 * math.prod(shape) for shape in shapes.values()) / MIN_STATE_RATE
+
+
+async def _watched(parts: AsyncIterator, what: str, expected: int, stall: float) -> AsyncIterator:
+    """`parts`, with a TimeoutError when none comes for `stall` seconds and a progress line every
+    STATE_PROGRESS_EVERY seconds (a download of gigabytes takes minutes: the peer's owner sees it move)."""
+    received, begin = 0, time.monotonic()
+    said = begin
+    iterator = parts.__aiter__()
+    while True:
+        try:
+            part = await asyncio.wait_for(iterator.__anext__(), stall)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise TimeoutError(f"{what}: nothing came for {stall:g} s after {received / 2**20:.1f} MiB") from None
+        received += part.ByteSize()
+        now = time.monotonic()
+        if now - said >= STATE_PROGRESS_EVERY:
+            said, rate = now, received / (now - begin)
+            left = f", about {(expected - received) / rate:.0f} s left" if rate > 0 and expected > received else ""
+            logger.info(
+                f"{what}: {received / 2**20:.0f} of {expected / 2**20:.0f} MiB in {now - begin:.0f} s "
+                f"({rate * 8 / 1e6:.1f} Mbit/s{left})"
+            )
+        yield part
 
 
 async def download_state(
-    p2p: P2P, peer_id: str, manifest: Manifest, stage: int, shapes: dict[str, tuple[int, ...]], timeout: float
+    p2p: P2P,
+    peer_id: str,
+    manifest: Manifest,
+    stage: int,
+    shapes: dict[str, tuple[int, ...]],
+    timeout: float,
+    stall: float = STATE_STALL_TIMEOUT,
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
-    """Fetch the state of `stage` from `peer_id`: named tensors (not yet checked against the model, see
-    StageServer.load_state; `shapes` are the names it may hold, from swarm.wire.state) and its counters
-    (optimizer_steps, averaging_round). Raises RemoteStageError on a refusal or a malformed reply."""
+    """Fetch the state of `stage` from `peer_id` within `timeout` seconds (and with no gap of `stall` seconds):
+    named tensors (not yet checked against the model, see StageServer.load_state; `shapes` are the names it may
+    hold, from swarm.wire.state) and its counters (optimizer_steps, averaging_round). Raises RemoteStageError on a
+    refusal or a malformed reply, TimeoutError when late. A long one logs its progress."""
     max_bytes = sum(4 * math.prod(shape) for shape in shapes.values()) + 64 * len(shapes) + 65536
     stub = StageRPC.stub(p2p, peer_id)
     request = make_control_request(manifest, manifest.proof(str(p2p.peer_id)), stage=stage)
+    what = f"state of stage {stage} from peer {peer_id[-8:]}"
 
     async def one_request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
         yield request
 
     async def fetch() -> runtime_pb2.ExpertResponse:
-        parts = await stub.rpc_download_state(one_request())
+        parts = _watched(await stub.rpc_download_state(one_request()), what, max_bytes, min(stall, timeout))
         return await combine_message(parts, runtime_pb2.ExpertResponse, max_bytes, max_tensors=len(shapes))
 
     largest = max(math.prod(shape) for shape in shapes.values())

@@ -23,6 +23,7 @@ import math
 import os
 import shutil
 import sysconfig
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -349,6 +350,23 @@ def _cache_key(source: str, tokenizer: Tokenizer, shards: int, heldout_fraction:
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
 
 
+PROGRESS_EVERY = 15.0  # seconds between the progress lines of a long preparation
+
+
+def _progress_logger(what: str) -> ProgressCallback:
+    """A progress callback that logs at most every PROGRESS_EVERY seconds: a large source takes minutes."""
+    begin = said = time.monotonic()
+
+    def on_progress(done: int, total: int) -> None:
+        nonlocal said
+        now = time.monotonic()
+        if now - said >= PROGRESS_EVERY and total > 0:
+            said = now
+            logger.info(f"{what}: {done / 2**20:.0f} of {total / 2**20:.0f} MiB read in {now - begin:.0f} s")
+
+    return on_progress
+
+
 def ensure_prepared(
     source: str,
     tokenizer: Tokenizer,
@@ -367,7 +385,11 @@ def ensure_prepared(
     if (final / INDEX_FILE).is_file():
         return final / INDEX_FILE
     with open(cache_dir / f"{key}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process prepares it: say so, then wait (no deadline: it is working)
+            logger.info("another process on this machine prepares data source %r; waiting for it", source)
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
         if (final / INDEX_FILE).is_file():
             return final / INDEX_FILE  # another process prepared it while this one waited
         if final.exists():
@@ -377,7 +399,15 @@ def ensure_prepared(
         temporary = temporary_path(final)  # a folder, renamed when complete
         logger.info("preparing data source %r into the cache %s (once)", source, final)
         try:
-            prepare_corpus(source, temporary, tokenizer, heldout_fraction=heldout_fraction, shard_count=shards)
+            progress = _progress_logger(f"preparing data source {source!r}")
+            prepare_corpus(
+                source,
+                temporary,
+                tokenizer,
+                heldout_fraction=heldout_fraction,
+                on_progress=progress,
+                shard_count=shards,
+            )
             with contextlib.suppress(OSError):  # a folder there already (written without the lock): use it
                 os.rename(temporary, final)
         finally:

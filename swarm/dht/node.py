@@ -91,8 +91,30 @@ def _start_dht(
         )
     except Exception as e:
         remove_stale_sockets(daemon_sockets() - sockets_before)
+        refusal = clock_refusal(str(e))
+        if refusal:
+            raise PeerStartError(refusal) from None
         hint = start_failure_hint(str(e), initial_peers, host_maddrs)
         raise PeerStartError(f"could not join the DHT: {hint} ({type(e).__name__}: {e})") from None
+
+
+NTP_REMEDY = "enable NTP time synchronisation (on Linux: sudo timedatectl set-ntp true)"
+CLOCK_REFUSED = re.compile(r"local time must be within (\d+) seconds.*local: ([\d.]+), peer: ([\d.]+)", re.S)
+
+
+def clock_refusal(error: str) -> str | None:
+    """hivemind's DHT refuses to bootstrap from a peer whose clock is more than 3 s from its own, and says only that
+    no initial peer could be reached, with the two times in the ping's ValidationError: say what it means."""
+    refused = CLOCK_REFUSED.search(error)
+    if not refused:
+        return None
+    tolerance, local, peer = int(refused.group(1)), float(refused.group(2)), float(refused.group(3))
+    offset = local - peer
+    side = "ahead of" if offset > 0 else "behind"
+    return (
+        f"this machine's clock is {abs(offset):.0f} s {side} the peers' (an initial peer's DHT told its time): the DHT "
+        f"refuses peers more than {tolerance} s off; {NTP_REMEDY}, then start again"
+    )
 
 
 def start_failure_hint(error: str, initial_peers: list[str], host_maddrs: list[str] | None) -> str:

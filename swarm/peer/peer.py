@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from hivemind import DHT
@@ -27,6 +27,7 @@ from swarm.client.trainer import Trainer
 from swarm.dataset import tokenizer_source
 from swarm.dataset.shards import TokenShards, TrainingStream, open_swarm_data
 from swarm.dataset.tokenizer import Tokenizer
+from swarm.errors import CapacityError, TooSlowToServeError
 from swarm.events import Event, EventKind, OnEvent, ignore
 from swarm.manifests.manifest import Manifest
 from swarm.peer.context import PeerContext
@@ -122,8 +123,21 @@ class Peer:
         trainer-only peer just trains."""
         tokenizer = await self.get_tokenizer()
         if not self.training.only:
-            await self.rebalancer.start()
-            self._tasks["balancing"] = asyncio.create_task(self.rebalancer.run(self._stop))
+            # a CPU that trains and was not pinned to a stage takes the role it can fill (swarm/capacity/role.py)
+            may_train_instead = (
+                self.context.device.type == "cpu" and self.training.enabled and self.serving.stage is None
+            )
+            try:
+                await self.rebalancer.start(may_train_instead)
+                self._tasks["balancing"] = asyncio.create_task(self.rebalancer.run(self._stop))
+            except CapacityError as e:
+                if not may_train_instead:
+                    raise
+                self.training = replace(self.training, only=True)
+                reason = str(e).split(": try ")[0]  # the remedies are for a peer that wants to serve
+                self.on_event(
+                    Event(EventKind.TRAINS_ONLY, {"reason": reason, "too_slow": isinstance(e, TooSlowToServeError)})
+                )
         if not self.training.enabled:
             return
         context = self.context

@@ -92,6 +92,29 @@ class DeviceProbe:
     cuda: str = ""  # the CUDA version torch was built with
 
 
+TORCH_FOR_CUDA = "pip install torch from https://download.pytorch.org/whl/cuXYZ (pytorch.org's selector names XYZ)"
+
+
+def no_cuda_reason(torch_version: str, built_for_cuda: str | None, driver: str) -> str:
+    """Why torch sees no CUDA GPU, and what to do, from what the machine has: an NVIDIA driver loaded (its version;
+    "" if none) and a torch build for CUDA (its CUDA version; None for a CPU-only build)."""
+    if not driver:
+        return (
+            "torch sees no CUDA GPU and no NVIDIA driver is loaded (nvidia-smi should list the GPU): install the "
+            "NVIDIA driver, or use --device auto or cpu"
+        )
+    if built_for_cuda is None:
+        return (
+            f"torch {torch_version} is a CPU-only build, but this machine has NVIDIA driver {driver}: install a CUDA "
+            f"build ({TORCH_FOR_CUDA}), or use --device cpu"
+        )
+    return (
+        f"torch {torch_version} was built for CUDA {built_for_cuda}, which NVIDIA driver {driver} cannot run (too old "
+        f"for it, or not working): update the driver, or install a torch built for an older CUDA ({TORCH_FOR_CUDA}); "
+        "or use --device cpu"
+    )
+
+
 def software_check(python: str, torch_version: str, probe: DeviceProbe) -> Check:
     versions = f"Python {python}, torch {torch_version}"
     figures = {"python": python, "torch": torch_version, "device": probe.device, "asked": probe.asked}

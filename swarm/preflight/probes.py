@@ -27,7 +27,7 @@ from swarm.dht.records import Announcement, PeerState, fetch_announcements
 from swarm.errors import DataError
 from swarm.files import cache_root
 from swarm.manifests.manifest import Manifest
-from swarm.preflight.checks import DeviceProbe, DiskPlace
+from swarm.preflight.checks import DeviceProbe, DiskPlace, no_cuda_reason
 from swarm.preflight.swarm_checks import PeerAnswer
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def probe_device(asked: str) -> DeviceProbe:
     try:
         if device.startswith("cuda"):
             if not torch.cuda.is_available():
-                raise RuntimeError("torch sees no CUDA GPU")
+                raise RuntimeError(no_cuda_reason(torch.__version__, torch.version.cuda, nvidia_driver()))
             info = {"name": torch.cuda.get_device_name(device), "driver": nvidia_driver(), "cuda": torch.version.cuda}
         a = torch.randn(256, 256, device=device)
         result = float((a @ a).sum())  # .item() waits for the kernel on every device
@@ -69,7 +69,7 @@ def probe_device(asked: str) -> DeviceProbe:
         if not math.isfinite(result):
             raise RuntimeError("the test matmul gave a non-finite result")
     except Exception as e:  # CUDA and driver errors come as RuntimeError, AssertionError, ...: every one is a fail
-        return DeviceProbe(asked, device, ok=False, error=f"{type(e).__name__}: {str(e)[:200]}", **info)
+        return DeviceProbe(asked, device, ok=False, error=f"{type(e).__name__}: {str(e)[:400]}", **info)
     return DeviceProbe(asked, device, **info)
 
 

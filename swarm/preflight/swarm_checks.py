@@ -7,6 +7,9 @@ import re
 import statistics
 from dataclasses import dataclass
 
+from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
+
+from swarm.dht.node import NTP_REMEDY
 from swarm.manifests.manifest import Manifest
 from swarm.preflight.checks import Check, Status
 from swarm.server.reachability import Verdict
@@ -14,8 +17,10 @@ from swarm.server.reachability import Verdict
 # Psyche's published minimum for a node's link, and what it recommends (Mbit/s)
 MIN_DOWNLOAD_MBITS, MIN_UPLOAD_MBITS = 10.0, 5.0
 RECOMMENDED_DOWNLOAD_MBITS, RECOMMENDED_UPLOAD_MBITS = 50.0, 20.0
-CLOCK_WARN_SECONDS = 10.0
-NTP_REMEDY = "enable NTP time synchronisation (on Linux: sudo timedatectl set-ntp true)"
+# hivemind's DHT refuses to bootstrap from peers whose clock is more than this far from its own (a ping's time is
+# checked, hivemind/dht/protocol.py): past it a peer cannot even join
+DHT_CLOCK_TOLERANCE = float(MAX_DHT_TIME_DISCREPANCY_SECONDS)
+CLOCK_WARN_SECONDS = 1.0  # clocks drift: a third of the tolerance gone is worth fixing before it is all gone
 
 
 def manifest_check(manifest: Manifest | None, error: str, source: str) -> Check:
@@ -171,9 +176,10 @@ def offsets_from_records(expirations: list[float], lifetime: float, announce_per
 
 def clock_check(ping_offsets: list[float], record_offsets: list[float], lifetime: float) -> Check:
     """The median offset of the peers' clocks against this one: from the DHT pings' times if any (within half a
-    round trip), else from the records' expirations (within half an announce period). Off by more than a record
-    lifetime: this machine's records would expire at once, or outlive their writer, for the others (a failure);
-    by more than CLOCK_WARN_SECONDS: a warning."""
+    round trip), else from the records' expirations (within half an announce period). Off by more than the DHT's
+    tolerance (by the pings) or a record's lifetime (by the records, which are that much vaguer): a failure, as the
+    DHT would refuse this peer, or the others drop its records as expired; by more than CLOCK_WARN_SECONDS (by the
+    pings) or the DHT's tolerance (by the records): a warning."""
     offsets, source = (ping_offsets, "DHT pings") if ping_offsets else (record_offsets, "DHT records")
     if not offsets:
         return Check(
@@ -184,20 +190,23 @@ def clock_check(ping_offsets: list[float], record_offsets: list[float], lifetime
         )
     offset = -statistics.median(offsets)  # this machine's clock minus the peers'
     figures = {"offset_seconds": round(offset, 3), "source": source, "samples": len(offsets)}
-    source_said = f"from {source} of {_peers(len(offsets))}"
-    if abs(offset) < 0.05:
-        said = f"this machine's clock agrees with the peers' within 0.1 s ({source_said})"
+    said = clock_offset_said(offset, f"from {source} of {_peers(len(offsets))}")
+    if ping_offsets:
+        fail_past, warn_past = min(lifetime, DHT_CLOCK_TOLERANCE), CLOCK_WARN_SECONDS
+        limit = f"more than the {DHT_CLOCK_TOLERANCE:g} s the DHT allows, so its peers would refuse this one"
     else:
-        side = "ahead of" if offset > 0 else "behind"
-        said = f"this machine's clock is {abs(offset):.1f} s {side} the peers' ({source_said})"
-    if abs(offset) > lifetime:
-        return Check(
-            "clock",
-            Status.FAIL,
-            f"{said}: more than a record's lifetime ({lifetime:g} s), so others would drop its records as expired or refuse them",
-            NTP_REMEDY,
-            figures=figures,
-        )
-    if abs(offset) > CLOCK_WARN_SECONDS:
+        fail_past, warn_past = lifetime, DHT_CLOCK_TOLERANCE
+        limit = f"more than a record's lifetime ({lifetime:g} s), so others would drop its records as expired"
+    if abs(offset) > fail_past:
+        return Check("clock", Status.FAIL, f"{said}: {limit}", NTP_REMEDY, figures=figures)
+    if abs(offset) > warn_past:
         return Check("clock", Status.WARN, said, NTP_REMEDY, figures=figures)
     return Check("clock", Status.PASS, said, figures=figures)
+
+
+def clock_offset_said(offset: float, source_said: str) -> str:
+    """`offset`: this machine's clock minus the peers' (seconds)."""
+    if abs(offset) < 0.05:
+        return f"this machine's clock agrees with the peers' within 0.1 s ({source_said})"
+    side = "ahead of" if offset > 0 else "behind"
+    return f"this machine's clock is {abs(offset):.1f} s {side} the peers' ({source_said})"

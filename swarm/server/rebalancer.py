@@ -32,8 +32,16 @@ from swarm.balancing.spans import SpanPeer, better_span, choose_span, span_peers
 from swarm.capacity.budget import MemoryBudget, check_fits, usable_budget
 from swarm.capacity.costs import MemorySettings, kept_microbatches, span_lengths
 from swarm.capacity.plan import stage_work
+from swarm.capacity.role import slow_serving_reason
 from swarm.dht.records import PeerState
-from swarm.errors import BalancingError, CapacityError, ManifestError, PeerStartError, SwarmError
+from swarm.errors import (
+    BalancingError,
+    CapacityError,
+    ManifestError,
+    PeerStartError,
+    SwarmError,
+    TooSlowToServeError,
+)
 from swarm.events import Event, EventKind, OnEvent, ignore
 from swarm.peer.context import PeerContext
 from swarm.server.announcer import announced_rate
@@ -95,9 +103,10 @@ class Rebalancer:
 
     # -------------------------------------------------------------------------------------------- join
 
-    async def start(self) -> StageServer:
+    async def start(self, may_train_instead: bool = False) -> StageServer:
         """Choose a span (or take the pinned one), take over its stages' state, and serve them. Raises
-        CapacityError if this peer's memory holds no stage (or not the pinned ones)."""
+        CapacityError if this peer's memory holds no stage (or not the pinned ones); with `may_train_instead` (a CPU
+        peer that trains), TooSlowToServeError if it computes too slowly beside the serving peers to help them."""
         self._measure_memory()
         if self.options.stage is not None:
             start, end = self.options.stage, self.options.stage + self.options.span
@@ -106,7 +115,13 @@ class Rebalancer:
             start, end = self._choose(await self._loads())
         servers = await self._prepare(start, end)  # measuring takes a while: peers that started with us announce
         if self.options.stage is None:
-            again = self._second_look(await self._loads(), start, end)
+            loads = await self._loads()
+            if may_train_instead and self.context.device.type == "cpu":
+                others = [peer.compute for peer in span_peers(loads, self.work, exclude=self.peer_id)]
+                reason = slow_serving_reason(self.per_block.compute, others)
+                if reason is not None:
+                    raise TooSlowToServeError(reason)
+            again = self._second_look(loads, start, end)
             if again is not None:
                 start, end = again
                 logger.info(f"at a second look the swarm is weakest elsewhere; taking {self._describe(again)}")

@@ -29,7 +29,7 @@ from swarm.averaging.rules import (
     round_payload_bytes,
     swarm_samples_in_round,
 )
-from swarm.client.rpc import download_state
+from swarm.client.rpc import download_state, state_deadline
 from swarm.dht.announcement_cache import AnnouncementCache
 from swarm.dht.records import PeerState, announcement_lifetime
 from swarm.errors import AveragingError
@@ -46,7 +46,7 @@ STATE_SOURCES = 3  # peers tried, one after another, for a stage's state
 CATCH_UP_BY_DOWNLOAD = 2  # rounds behind the stage from which a peer takes the stage's state (parameters mode)
 ROUND_CHECK_PERIOD = 1.0  # seconds between two looks at whether an averaging round is due
 NEAR_ROUND = 0.75  # past this share of a round's samples, those looks read fresh records
-CATCH_UP_TIMEOUT = 120.0
+CATCH_UP_FLOOR = 60.0  # seconds, plus the state's bytes at MIN_STATE_RATE (client/rpc.py's state_deadline)
 ALONE_AFTER_LIFETIMES = 2  # a peer is alone once no other peer of the stage was seen for this many record lifetimes
 
 
@@ -195,7 +195,7 @@ class AveragingRounds:
             try:
                 begin = time.monotonic()
                 items, counters = await download_state(
-                    self._p2p, peer_id, self.manifest, self.stage, shapes, CATCH_UP_TIMEOUT
+                    self._p2p, peer_id, self.manifest, self.stage, shapes, state_deadline(shapes, CATCH_UP_FLOOR)
                 )
                 if rebase:  # noqa: B023 below: each lambda is awaited at once
                     await self.worker.run(lambda c: c.rebase(items, counters))  # noqa: B023

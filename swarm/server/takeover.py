@@ -13,7 +13,7 @@ import time
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from swarm.client.rpc import download_state
+from swarm.client.rpc import download_state, state_deadline
 from swarm.dht.announcement_cache import AnnouncementCache
 from swarm.dht.records import Announcement, PeerState, announcement_lifetime
 from swarm.events import Event, EventKind, OnEvent, StateSource
@@ -27,7 +27,7 @@ from swarm.wire.state import stage_state_shapes
 
 logger = logging.getLogger(__name__)
 
-STATE_DOWNLOAD_TIMEOUT = 120.0
+STATE_DOWNLOAD_FLOOR = 60.0  # seconds, plus the state's bytes at MIN_STATE_RATE (client/rpc.py's state_deadline)
 STATE_ATTEMPTS = 2  # tries per source peer: a download can be cut short (the peer was busy, a stream broke)
 RETRY_PAUSE = 1.0
 
@@ -63,7 +63,7 @@ class StateTakeover:
             try:
                 begin = time.monotonic()
                 items, counters = await download_state(
-                    self.p2p, source.peer_id, self.manifest, stage, shapes, STATE_DOWNLOAD_TIMEOUT
+                    self.p2p, source.peer_id, self.manifest, stage, shapes, state_deadline(shapes, STATE_DOWNLOAD_FLOOR)
                 )
                 if checkpoint is not None and progress(checkpoint.counters) > progress(counters):
                     logger.info(f"this peer's checkpoint of stage {stage} is ahead of peer {source.peer_id[-8:]}")
@@ -117,7 +117,7 @@ class StateTakeover:
             begin = time.monotonic()
             try:
                 items, theirs = await download_state(
-                    self.p2p, source.peer_id, self.manifest, stage, shapes, STATE_DOWNLOAD_TIMEOUT
+                    self.p2p, source.peer_id, self.manifest, stage, shapes, state_deadline(shapes, STATE_DOWNLOAD_FLOOR)
                 )
                 if progress(theirs) <= own:
                     break  # the stage went no further than this peer while it was paused
