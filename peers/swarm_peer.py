@@ -277,7 +277,8 @@ async def run_peer(
         await peer.start_services(metrics)
         if peer.metrics is not None:
             print(f"metrics at {peer.metrics.url}", flush=True)
-        await peer.join()
+        if not await joined(peer, stop, max(args.status_every, JOIN_PROGRESS_EVERY)):
+            return 0  # stopped while joining (Ctrl-C): the finally below stops what started
         if peer.data is not None:
             print(
                 f"training on {peer.data.total_train_tokens / 1e6:.1f}M tokens in {len(peer.data.train)} shards "
@@ -311,6 +312,31 @@ async def run_peer(
         await peer.shutdown()
         print("stopped cleanly", flush=True)
     return 0
+
+
+JOIN_PROGRESS_EVERY = 15.0  # seconds between two "still joining" lines
+
+
+async def joined(peer: Peer, stop: asyncio.Event, every: float) -> bool:
+    """Run peer.join() (minutes, when a large stage's state comes over a home link) with a line every `every`
+    seconds saying what it does, and give it up when `stop` is set (Ctrl-C): False then."""
+    join = asyncio.create_task(peer.join())
+    stopped = asyncio.create_task(stop.wait())
+    begin = time.monotonic()
+    try:
+        while True:
+            done, _ = await asyncio.wait({join, stopped}, timeout=every)
+            if join in done:
+                join.result()  # its error, if any
+                return True
+            if stopped in done:
+                print("stopping while joining the swarm", flush=True)
+                return False
+            print(f"joining: {peer.joining} ({time.monotonic() - begin:.0f} s so far)", flush=True)
+    finally:
+        for task in (join, stopped):
+            task.cancel()
+        await asyncio.gather(join, stopped, return_exceptions=True)
 
 
 SPAN_STAGE_FIELDS = ("stage", "samples_served", "optimizer_steps", "averaging_rounds", "averaging_rounds_failed")

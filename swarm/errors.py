@@ -29,6 +29,7 @@ classes by tests/test_errors.py:
     HistoryError -> SwarmError: swarm-monitor's history file cannot be used
     BalancingError -> SwarmError: balancing was given impossible figures (a throughput, a stage count)
     CapacityError -> SwarmError: a peer's memory cannot hold a stage, or a memory size or machine list is unreadable
+    TooSlowToServeError -> CapacityError: a CPU peer would compute a block far slower than the serving peers
     EmulatedLinkError -> SwarmError: an emulated link's spec or name is invalid (tests and benchmarks)
     MalformedDataError -> SwarmError, ValueError: data another peer sent cannot be decoded
 """

@@ -3,6 +3,11 @@ loopback (replicas that attack a round: tests/test_averaging_hostile.py)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import pytest
 import torch
 
@@ -202,6 +207,22 @@ def test_a_round_without_a_group_fails_cleanly_and_changes_nothing(dhts):
             averager.run_round(1.0, timeout=3)
         averager.finish_round(averaged=False)
         assert distance([p.detach() for p in params], before) == 0
+    finally:
+        averager.shutdown()
+
+
+def test_a_round_whose_averager_process_died_fails_in_seconds_instead_of_hanging(dhts):
+    """hivemind resolves a round from its averager's process: one killed (out of memory) would resolve nothing."""
+    manifest = averaging_manifest(mode="parameters", compression="float16")
+    ((params, averager),) = replicas_of(manifest, dhts(1), seeds=[1])
+    try:
+        averager.begin_round()
+        threading.Timer(1.0, os.kill, (averager._averager.pid, signal.SIGKILL)).start()
+        begin = time.monotonic()
+        with pytest.raises(AveragingError, match="the averager's process is gone"):
+            averager.run_round(1.0, timeout=600)  # a matchmaking deadline far away: only the death ends it
+        assert time.monotonic() - begin < 5
+        averager.finish_round(averaged=False)
     finally:
         averager.shutdown()
 

@@ -5,6 +5,7 @@ meet later (addresses, peers, a demo's run) by running them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -305,3 +306,33 @@ def test_a_check_fraction_outside_0_to_1_is_refused(capsys):
         assert code == 2 and "--check-fraction must be between 0 and 1" in out, (value, out)
     code, _ = in_process("peers.swarm_peer", ["--join", "m.json", "--check-fraction", "0"], capsys)
     assert code is None  # 0 turns the checks off
+
+
+class SlowJoin:
+    """A peer whose join takes as long as a large stage's state over a home link: it never ends by itself."""
+
+    joining = "taking over a stage's state"
+    cancelled = False
+
+    async def join(self) -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+def test_a_long_join_says_what_it_does_and_ctrl_c_stops_it(capsys):
+    from peers.swarm_peer import joined
+
+    async def run() -> tuple[bool, float, SlowJoin]:
+        peer, stop = SlowJoin(), asyncio.Event()
+        asyncio.get_running_loop().call_later(0.5, stop.set)  # Ctrl-C, half a second into the join
+        begin = time.monotonic()
+        result = await joined(peer, stop, every=0.2)
+        return result, time.monotonic() - begin, peer
+
+    result, took, peer = asyncio.run(run())
+    out = capsys.readouterr().out
+    assert result is False and took < 2 and peer.cancelled
+    assert "joining: taking over a stage's state (0 s so far)" in out and "stopping while joining the swarm" in out

@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, tiny_manifest_dict
 from peers.swarm_peer import main as peer_main
 from swarm import PROTOCOL_VERSION
-from swarm.errors import ManifestError
+from swarm.errors import ManifestError, TokenizerError
 from swarm.manifests.loading import load_manifest
 from swarm.manifests.validation import manifest_from_dict
 
@@ -36,6 +36,18 @@ class Handler(BaseHTTPRequestHandler):
         }
         if self.path == "/slow.json":
             time.sleep(5)
+        if self.path == "/trickle.json":  # a byte every 0.3 s: no single read ever times out
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            try:
+                for _ in range(40):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.3)
+            except OSError:
+                pass
+            return
         status, body = routes.get(self.path, (404, b"not found"))
         self.send_response(status)
         self.send_header("Content-Length", str(len(body)))
@@ -100,9 +112,24 @@ def test_bad_urls_give_one_clear_error(server, path, message):
 def test_a_url_that_does_not_answer_fails_within_the_timeout(server, silent_port):
     for url in (f"http://127.0.0.1:{silent_port}/swarm.json", f"{server}/slow.json"):
         begin = time.monotonic()
-        with pytest.raises(ManifestError, match="did not answer within 2 seconds"):
+        with pytest.raises(ManifestError, match="did not (answer|send it) within 2 seconds"):
             load_manifest(url, timeout=2)
         assert time.monotonic() - begin < 4
+
+
+def test_a_server_that_trickles_its_answer_is_given_up_at_the_deadline_of_the_whole_get(server, monkeypatch):
+    """urllib's timeout bounds each read: a byte every 0.3 s would hold a start for as long as the server likes."""
+    from swarm.dataset import tokenizer_source
+
+    begin = time.monotonic()
+    with pytest.raises(ManifestError, match="did not send it within 2 seconds"):
+        load_manifest(f"{server}/trickle.json", timeout=2)
+    assert time.monotonic() - begin < 4
+    begin = time.monotonic()
+    with pytest.raises(TokenizerError, match="could not get the tokenizer .*in 1 s and was still sending"):
+        monkeypatch.setattr(tokenizer_source, "URL_TIMEOUT", 1.0)
+        tokenizer_source._fetch(f"{server}/trickle.json")
+    assert time.monotonic() - begin < 3
 
 
 def test_refused_connections_fail_fast():

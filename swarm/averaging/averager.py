@@ -33,6 +33,7 @@ from swarm.averaging.rules import (
     MAX_ROUND_CHANGE,
     PART_SIZE_BYTES,
     POLL_SECONDS,
+    ROUND_SLACK,
     RoundTiming,
     averaging_compression,
     averaging_prefix,
@@ -270,9 +271,18 @@ class StageAverager:
                 gather={"proof": self._proof},
                 wait=False,
             )
+            # hivemind resolves `control` from its averager's process: if that process died (out of memory, or
+            # stopped at shutdown), nothing would, so the round has a deadline of its own
+            deadline = begin + find_timeout + self._averager._allreduce_timeout + ROUND_SLACK
             while not control.done():
                 if grouped_at is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
                     grouped_at = time.monotonic()
+                if time.monotonic() > deadline or not self._averager.is_alive():
+                    control.cancel()
+                    raise TimeoutError(
+                        f"no result in {time.monotonic() - begin:.0f} s"
+                        + ("" if self._averager.is_alive() else " (the averager's process is gone)")
+                    )
                 time.sleep(POLL_SECONDS)
             gathered = control.result()
         except Exception as e:  # hivemind raises several types for a round that fell through

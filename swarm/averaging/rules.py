@@ -39,6 +39,7 @@ MAX_BACKOFF_DOUBLINGS = 2  # after rounds that found no group, wait up to 4x lon
 ALLREDUCE_SLACK = 4.0  # an all-reduce may take this many times the longest recent one
 ASSUMED_AVERAGING_MBITS = 5.0  # before a round was measured: the slowest uplink a stage's peers are assumed to have
 POLL_SECONDS = 0.05  # how often a round's progress is looked at (to time its matchmaking and all-reduce)
+ROUND_SLACK = 30.0  # seconds a round may run past its matchmaking and all-reduce timeouts before it is given up
 
 
 # ------------------------------------------------------------------------------------------- pure logic

@@ -15,12 +15,12 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from swarm import __version__
 from swarm.dataset.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from swarm.errors import TokenizerError
 from swarm.files import atomic_write, cache_root
 from swarm.manifests.loading import confined
 from swarm.manifests.manifest import Manifest
+from swarm.network.http_get import TooLargeError, http_get
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +103,11 @@ def _next_to_manifest(manifest: Manifest) -> bytes | None:
 
 
 def _fetch(url: str) -> bytes:
-    request = urllib.request.Request(url, headers={"User-Agent": f"swarm/{__version__}"})
     try:
-        with urllib.request.urlopen(request, timeout=URL_TIMEOUT) as response:
-            body = response.read(MAX_TOKENIZER_BYTES + 1)
-    except Exception as e:  # HTTP errors, timeouts, refused connections, bad URLs
+        return http_get(url, URL_TIMEOUT, MAX_TOKENIZER_BYTES)
+    except TooLargeError:
+        raise TokenizerError(
+            f"{url} sent more than {MAX_TOKENIZER_BYTES} bytes; that is not a tokenizer.json"
+        ) from None
+    except Exception as e:  # HTTP errors, timeouts (the whole body's too), refused connections, bad URLs
         raise TokenizerError(f"could not get the tokenizer from {url}: {str(e)[:200]}") from None
-    if len(body) > MAX_TOKENIZER_BYTES:
-        raise TokenizerError(f"{url} sent more than {MAX_TOKENIZER_BYTES} bytes; that is not a tokenizer.json")
-    return body

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from swarm import __version__
 from swarm.errors import ManifestError
 from swarm.files import atomic_write
 from swarm.manifests.manifest import Manifest
 from swarm.manifests.validation import parse_manifest
+from swarm.network.http_get import TooLargeError, http_get
 from swarm.trust.secret import read_secret
 
 MAX_MANIFEST_BYTES = 1_000_000
@@ -94,25 +93,17 @@ def _split_swarm_id(url: str) -> tuple[str, str | None]:
 
 def _fetch(url: str, timeout: float) -> str:
     """The body of an HTTP GET, at most MAX_MANIFEST_BYTES, within `timeout` seconds in all."""
-    request = urllib.request.Request(url, headers={"User-Agent": f"swarm/{__version__}", "Accept": "application/json"})
-    deadline = time.monotonic() + timeout
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = b""
-            while len(body) <= MAX_MANIFEST_BYTES:
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                chunk = response.read(65536)
-                if not chunk:
-                    break
-                body += chunk
+        body = http_get(url, timeout, MAX_MANIFEST_BYTES, accept="application/json")
+    except TooLargeError:
+        raise ManifestError(f"{url} sent more than {MAX_MANIFEST_BYTES} bytes; that is not a manifest") from None
     except urllib.error.HTTPError as e:
         raise ManifestError(
             f"could not get the manifest: the server at {url} answered HTTP {e.code} ({e.reason}); check the URL"
         ) from None
     except TimeoutError:
         raise ManifestError(
-            f"could not get the manifest: {url} did not answer within {timeout:g} seconds; check the URL and "
+            f"could not get the manifest: {url} did not send it within {timeout:g} seconds; check the URL and "
             "that the server is up"
         ) from None
     except (urllib.error.URLError, OSError, ValueError) as e:
@@ -123,8 +114,6 @@ def _fetch(url: str, timeout: float) -> str:
                 "that the server is up"
             ) from None
         raise ManifestError(f"could not get the manifest from {url}: {reason}; check the URL") from None
-    if len(body) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{url} sent more than {MAX_MANIFEST_BYTES} bytes; that is not a manifest")
     try:
         return body.decode("utf-8")
     except UnicodeDecodeError:

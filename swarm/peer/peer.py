@@ -78,6 +78,7 @@ class Peer:
         self.context = PeerContext.create(manifest, dht, p2p, peer_id, device)
         self.serving, self.training = serving, training
         self.trainer: Trainer | None = None
+        self.joining = "starting"  # what join() does now, for its progress lines (a join can take minutes)
         self.metrics: MetricsServer | None = None
         self.data: TokenShards | None = None  # what the trainer reads
 
@@ -109,7 +110,8 @@ class Peer:
         """The swarm's tokenizer, which this machine then keeps (to tokenize raw data, and to hand it to peers that
         join later): from its cache or next to the manifest, else from the swarm's peers. Raises TokenizerError."""
         context = self.context
-        local = tokenizer_source.local_tokenizer(context.manifest)  # (the byte vocabulary needs no file)
+        # (the byte vocabulary needs no file); a URL is fetched in a thread: Ctrl-C is heard meanwhile
+        local = await asyncio.to_thread(tokenizer_source.local_tokenizer, context.manifest)
         if local is not None:
             return local  # no DHT read at start for it
         peer_ids = [address.rsplit("/p2p/", 1)[1] for address in context.manifest.initial_peers]
@@ -121,8 +123,10 @@ class Peer:
     async def join(self) -> None:
         """Choose a stage, take over its state and serve it; then keep balancing, and train if asked to. A
         trainer-only peer just trains."""
+        self.joining = "getting the swarm's tokenizer"
         tokenizer = await self.get_tokenizer()
         if not self.training.only:
+            self.joining = "measuring this machine and taking over a stage's state"
             # a CPU that trains and was not pinned to a stage takes the role it can fill (swarm/capacity/role.py)
             may_train_instead = (
                 self.context.device.type == "cpu" and self.training.enabled and self.serving.stage is None
@@ -141,6 +145,7 @@ class Peer:
         if not self.training.enabled:
             return
         context = self.context
+        self.joining = "preparing the training data"
         self.data = await asyncio.to_thread(open_swarm_data, context.manifest, tokenizer, self.training.data)
         stream = TrainingStream(self.data, context.peer_id, seed=self.training.seed or 0)
         self.trainer = Trainer(
