@@ -64,6 +64,9 @@ def start_dht(
         )
 
 
+DHT_READY_SLACK = 15.0  # seconds past the daemon's startup timeout for the bootstrap (its pings are bounded too)
+
+
 def _start_dht(
     initial_peers: list[str],
     host_maddrs: list[str],
@@ -75,10 +78,11 @@ def _start_dht(
     secret: SwarmSecret | None,
     sockets_before: set[Path],
 ) -> DHT:
+    dht = None
     try:
-        return DHT(
+        dht = DHT(
             initial_peers=list(initial_peers),
-            start=True,
+            start=False,
             host_maddrs=host_maddrs,
             announce_maddrs=announce_maddrs or None,
             client_mode=client_mode or no_listen,  # nobody could reach its DHT requests' handlers
@@ -89,8 +93,18 @@ def _start_dht(
             check_if_identity_free=False,
             **({"authorizer": secret.authorizer()} if secret is not None else {}),
         )
+        # hivemind's DHT(start=True) waits for its process with no deadline: one that died starting would hang us
+        dht.run_in_background(await_ready=True, timeout=startup_timeout + DHT_READY_SLACK)
+        return dht
     except Exception as e:
+        if dht is not None and dht.is_alive():  # it did not get ready in time
+            dht.shutdown()
         remove_stale_sockets(daemon_sockets() - sockets_before)
+        if isinstance(e, TimeoutError):
+            raise PeerStartError(
+                f"could not join the DHT: it did not get ready in {startup_timeout + DHT_READY_SLACK:g} s (this "
+                "machine is very busy, or its initial peers answer too slowly); try again"
+            ) from None
         refusal = clock_refusal(str(e))
         if refusal:
             raise PeerStartError(refusal) from None

@@ -8,6 +8,7 @@ peer with that id is already connected (hivemind's check, run here so that its a
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 from pathlib import Path
@@ -70,12 +71,15 @@ def _read_identity(path: Path) -> str:
         ) from None
 
 
+IDENTITY_CHECK_TIMEOUT = 30.0  # seconds: a daemon's start, dials to the initial peers, and its stop
+
+
 async def identity_taken(path: Path, initial_peers: list[str]) -> bool:
     """Whether a peer with this identity is connected to the swarm already (asked through `initial_peers`)."""
     if not initial_peers:
         return False
-    try:
-        return await P2P.is_identity_taken(
+    try:  # hivemind's check sets no deadline of its own (its daemon dials and stops unbounded)
+        check = P2P.is_identity_taken(
             str(path.expanduser()),
             initial_peers=initial_peers,
             tls=True,
@@ -83,6 +87,7 @@ async def identity_taken(path: Path, initial_peers: list[str]) -> bool:
             use_ipfs=False,
             use_relay=True,
         )
+        return await asyncio.wait_for(check, timeout=IDENTITY_CHECK_TIMEOUT)
     except Exception as e:  # no initial peer answers: joining the DHT will fail next, with its own clear error
         logger.info(f"could not check whether the identity is in use: {e!r}")
         return False
