@@ -64,8 +64,14 @@ def add_join_argument(parser: argparse.ArgumentParser) -> None:
 def install_stop_handlers(stop: asyncio.Event) -> None:
     """Ctrl-C and SIGTERM set `stop`, so that the program shuts down cleanly."""
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second Ctrl-C: the first is being acted on; say so rather than look stuck
+            print("already stopping: finishing the work in flight (at most about a minute)", flush=True)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)

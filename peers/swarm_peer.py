@@ -309,6 +309,7 @@ async def run_peer(
     finally:
         if rules_task is not None:
             rules_task.cancel()
+        print("stopping: finishing the work in flight and saving each stage's state", flush=True)
         await peer.shutdown()
         print("stopped cleanly", flush=True)
     return 0
@@ -325,7 +326,7 @@ async def joined(peer: Peer, stop: asyncio.Event, every: float) -> bool:
     begin = time.monotonic()
     try:
         while True:
-            done, _ = await asyncio.wait({join, stopped}, timeout=every)
+            done, _ = await asyncio.wait({join, stopped}, timeout=every, return_when=asyncio.FIRST_COMPLETED)
             if join in done:
                 join.result()  # its error, if any
                 return True

@@ -118,11 +118,15 @@ async def fetch_tokenizer(p2p: P2P, peer_id: str, manifest: Manifest, max_bytes:
             return bytes(body)
 
 
+TOKENIZER_PEERS_ASKED = 5  # peers asked for the tokenizer, one after another: a bound on the wait
+
+
 async def tokenizer_from_peers(p2p, manifest: Manifest, peer_ids: Sequence[str], timeout: float = 60.0) -> Tokenizer:
     """The swarm's tokenizer from the first of `peer_ids` that hands out a copy with the pinned hash (kept in this
     machine's cache: swarm/dataset/tokenizer_source.py)."""
     failures = []
-    for peer_id in peer_ids:
+    for peer_id in peer_ids[:TOKENIZER_PEERS_ASKED]:
+        logger.info(f"asking peer {peer_id[-8:]} for the swarm's tokenizer (up to {timeout:g} s)")
         try:
             body = await fetch_tokenizer(p2p, peer_id, manifest, MAX_TOKENIZER_BYTES, timeout)
             return load_tokenizer(store(body, manifest.data.tokenizer_sha256))

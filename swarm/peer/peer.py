@@ -216,6 +216,8 @@ class Peer:
             begin, self.paused = time.monotonic(), True
             if self.trainer is not None:
                 self.trainer.paused = True
+            if self.rebalancer.moving.locked():  # a move's state download can take minutes: say why it waits
+                logger.info(f"pausing ({reason}) once the move to another stage in progress has finished")
             async with self.rebalancer.moving:  # not in the middle of a move
                 self.rebalancer.paused = True
                 freed = [await server.pause(PAUSE_DRAIN_TIMEOUT) for server in self.rebalancer.servers]

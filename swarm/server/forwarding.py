@@ -217,7 +217,7 @@ class Forwarder:
                 await path.worker.run(lambda c: c.settle(fields.microbatch_id, False, caller))
             return path.error_reply("train", caller, e), False
         except BaseException:  # a bug, or a cancelled call: the microbatch is not left in progress here for good
-            if fields.train:
+            if fields.train and not path.worker.finished:  # (a stopped stage keeps nothing in progress)
                 await asyncio.shield(path.worker.run(lambda c: c.settle(fields.microbatch_id, False, caller)))
             raise
         if not fields.train:

@@ -88,6 +88,7 @@ class ThroughputMeter:
         others = [a for anns in await self.view.all_stages() for a in anns if a.state == PeerState.ONLINE]
         others = [a for a in others if a.peer_id != self.peer_id]
         for ann in self.rng.sample(others, k=min(len(others), PROBED_PEERS)):
+            logger.info(f"measuring the bandwidth to peer {ann.peer_id[-8:]} (seconds on a home link)")
             try:
                 self._bandwidth = await probe_bandwidth(self.p2p, ann.peer_id, self.manifest)
                 self.bandwidth_measured = True

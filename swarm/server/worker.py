@@ -23,6 +23,7 @@ class StageWorker:
         self.counters = compute.counters  # readable by anyone; written by the worker only
         self.seconds_per_request = 0.0  # EMA of the worker's time per request (0 until the first one)
         self._used = False
+        self._finished = False
 
     @property
     def kept_microbatches(self) -> int:
@@ -56,8 +57,14 @@ class StageWorker:
             previous = self.seconds_per_request
             self.seconds_per_request = took if previous == 0 else 0.9 * previous + 0.1 * took
 
+    @property
+    def finished(self) -> bool:
+        """Whether finish() was called: no more work is taken (the stage stopped)."""
+        return self._finished
+
     async def finish(self, timeout: float) -> bool:
         """Wait, up to `timeout`, for the work in flight; False (and the rest dropped) if it did not finish."""
+        self._finished = True
         try:
             finish = asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
             await asyncio.wait_for(finish, timeout=timeout)
