@@ -60,12 +60,12 @@ examples:
 
 exit codes: 0 a clean stop; 2 an error, at start or later (one line says what went wrong and what to do: flags,
 manifest or its URL, initial peers, port in use, identity, device or CUDA driver, memory for no stage (with
---no-trainer or on a GPU), a clock off by more than a record's lifetime, a full disk, --gpus without a GPU).
+--no-trainer or on a GPU), a clock more than 3 s off the peers', a full disk, --gpus without a GPU).
 A CPU peer whose memory holds no stage, or that computes a block under 5% as fast as the serving peers, trains
 only, and says so (pin a stage with --stage to serve anyway).
 exit codes of --check: 0 this machine can join and serve a stage, 1 it can join only as a trainer (the table
 says why: no stage fits in its memory, or --device fails), 2 it cannot join (manifest unreadable or of another
-swarm, no initial peer answers, or a clock off by more than a record's lifetime)
+swarm, no initial peer answers, or a clock more than 3 s off the peers')
 """
 
 

@@ -277,12 +277,11 @@ class StageAverager:
             while not control.done():
                 if grouped_at is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
                     grouped_at = time.monotonic()
-                if time.monotonic() > deadline or not self._averager.is_alive():
+                alive = self._averager.is_alive()
+                if time.monotonic() > deadline or not alive:
                     control.cancel()
-                    raise TimeoutError(
-                        f"no result in {time.monotonic() - begin:.0f} s"
-                        + ("" if self._averager.is_alive() else " (the averager's process is gone)")
-                    )
+                    gone = "" if alive else " (the averager's process is gone)"
+                    raise TimeoutError(f"no result in {time.monotonic() - begin:.0f} s{gone}")
                 time.sleep(POLL_SECONDS)
             gathered = control.result()
         except Exception as e:  # hivemind raises several types for a round that fell through

@@ -189,11 +189,16 @@ STATE_PROGRESS_EVERY = 15.0  # seconds between the progress lines of a long stat
 MIN_STATE_RATE = 1_000_000  # bytes/s (8 Mbit/s) that state_deadline allows a download at the least
 
 
+def state_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
+    """The float32 bytes of a state of `shapes` (swarm.wire.state's names and shapes)."""
+    return sum(4 * math.prod(shape) for shape in shapes.values())
+
+
 def state_deadline(shapes: dict[str, tuple[int, ...]], floor: float) -> float:
     """Seconds a state download of `shapes` may take in all: `floor`, plus its bytes at MIN_STATE_RATE (a stage of
     a large model is gigabytes: minutes over a home uplink). A sender that vanishes is noticed sooner, by the
     stall deadline."""
-    return floor + sum(4 * math.prod(shape) for shape in shapes.values()) / MIN_STATE_RATE
+    return floor + state_bytes(shapes) / MIN_STATE_RATE
 
 
 async def _watched(parts: AsyncIterator, what: str, expected: int, stall: float) -> AsyncIterator:
@@ -234,7 +239,7 @@ async def download_state(
     named tensors (not yet checked against the model, see StageServer.load_state; `shapes` are the names it may
     hold, from swarm.wire.state) and its counters (optimizer_steps, averaging_round). Raises RemoteStageError on a
     refusal or a malformed reply, TimeoutError when late. A long one logs its progress."""
-    max_bytes = sum(4 * math.prod(shape) for shape in shapes.values()) + 64 * len(shapes) + 65536
+    max_bytes = state_bytes(shapes) + 64 * len(shapes) + 65536
     stub = StageRPC.stub(p2p, peer_id)
     request = make_control_request(manifest, manifest.proof(str(p2p.peer_id)), stage=stage)
     what = f"state of stage {stage} from peer {peer_id[-8:]}"

@@ -3,9 +3,10 @@
 Records carry their writer's clock: each expires a lifetime after it was written, by the writer's time. A peer whose
 clock is off by more than a record's lifetime writes records the others drop as expired at once (or that outlive
 it), and reads theirs as expired: it would serve where nobody routes to it, or see an empty swarm and serve
-alone, silently. So a peer refuses to start in one line when its clock is that far off, and warns when it is off
-by more than a few seconds. The verdict is the preflight's (swarm/preflight/swarm_checks.py's clock_check); the
-pings are its probes, with their deadlines.
+alone, silently. hivemind's DHT is stricter still: it refuses to bootstrap from peers more than 3 s off (the join's
+error is explained by swarm/dht/node.py's clock_refusal). A peer that joined through one peer within that may still
+be off against the others: it refuses to start past 3 s against the median, and warns past 1 s. The verdict is the
+preflight's (swarm/preflight/swarm_checks.py's clock_check); the pings are its probes, with their deadlines.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ PINGED_PEERS = 3  # initial peers asked for their time: the median of their offs
 async def check_clock(p2p: P2P, manifest: Manifest, own_peer_id: str) -> Check | None:
     """The clock verdict against up to PINGED_PEERS initial peers (None: no other initial peer told its time, as
     for the first peer of a swarm). Raises PeerStartError, with the offset and the remedy, when this clock is off
-    by more than a record's lifetime."""
+    by more than the DHT allows (3 s)."""
     addresses = [address for address in manifest.initial_peers if not address.endswith(f"/p2p/{own_peer_id}")]
     if not addresses:
         return None

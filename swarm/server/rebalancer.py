@@ -116,7 +116,7 @@ class Rebalancer:
         servers = await self._prepare(start, end)  # measuring takes a while: peers that started with us announce
         if self.options.stage is None:
             loads = await self._loads()
-            if may_train_instead and self.context.device.type == "cpu":
+            if may_train_instead:
                 others = [peer.compute for peer in span_peers(loads, self.work, exclude=self.peer_id)]
                 reason = slow_serving_reason(self.per_block.compute, others)
                 if reason is not None:
