@@ -1,4 +1,4 @@
-"""swarm-data: prepare a corpus into token shards (optionally training a tokenizer on it first), or inspect a
+"""swarm-data: prepare a corpus into token chunks (optionally training a tokenizer on it first), or inspect a
 prepared folder. The preparation itself is swarm/dataset/corpus.py's; the reading, swarm/dataset/shards.py's."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rich.table import Table
 
 from peers import runtime
 from swarm import __version__
-from swarm.dataset.corpus import DEFAULT_SHARD_TOKENS, INDEX_FILE, prepare_corpus
+from swarm.dataset.corpus import DEFAULT_CHUNK_TOKENS, INDEX_FILE, prepare_corpus
 from swarm.dataset.documents import training_texts
 from swarm.dataset.shards import TokenShards
 from swarm.dataset.tokenizer import (
@@ -44,17 +44,17 @@ examples:
       then tokenize the folder's text, .jsonl and .parquet files with it
   swarm-data prepare corpus.jsonl --out data/web --tokenizer tokenizer.json --text-key content
       JSON lines with their text under "content", tokenized with an existing Hugging Face tokenizer.json
-  swarm-data prepare /data/books --out data/books --shard-tokens 4000000 --heldout-fraction 0.01 --json
-      smaller shards, 1% held out, and the summary as one JSON object
+  swarm-data prepare /data/books --out data/books --chunk-tokens 1000000 --heldout-fraction 0.01 --json
+      smaller chunks, 1% held out, and the summary as one JSON object
   swarm-data inspect data/books
-      the prepared folder: shards, tokens, the tokenizer's hash and the index's hash (the data's name)
+      the prepared folder: chunks, tokens, the tokenizer's hash and the index's hash (the data's name)
 """
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="swarm-data",
-        description="Prepare training data: tokenize a corpus once into token shards that trainers read "
+        description="Prepare training data: tokenize a corpus once into token chunks that trainers read "
         "memory-mapped, or inspect a prepared folder.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     prepare = commands.add_parser(
         "prepare",
-        help="tokenize a corpus into token shards",
-        description="Tokenize SOURCE into DIR: shard-*.bin (train), heldout.bin and index.json.",
+        help="tokenize a corpus into token chunks",
+        description="Tokenize SOURCE into DIR: chunk-*.bin (train), heldout-*.bin and index.json; publish DIR anywhere static files are served (a web server, a bucket, a Hugging Face dataset) and give its URL to swarm-init --data.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -83,11 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train a byte-level BPE of SIZE ids on SOURCE's train documents first, saved as DIR/tokenizer.json",
     )
     prepare.add_argument(
-        "--shard-tokens",
+        "--chunk-tokens",
         type=int,
-        default=DEFAULT_SHARD_TOKENS,
+        default=DEFAULT_CHUNK_TOKENS,
         metavar="N",
-        help=f"tokens per train shard (default: {DEFAULT_SHARD_TOKENS:,}); many more shards than trainers is best",
+        help=f"tokens per chunk, the unit volunteers download and verify (default: {DEFAULT_CHUNK_TOKENS:,}: 8 MiB "
+        "of 16-bit tokens, under 2 s at 50 Mbit/s); many more chunks than trainers is best",
     )
     prepare.add_argument(
         "--heldout-fraction", type=float, default=0.05, metavar="F", help="the held-out part (default: 0.05)"
@@ -103,8 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     inspect.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     args = parser.parse_args(argv)
     if args.command == "prepare":
-        if args.shard_tokens < 1:
-            parser.error("--shard-tokens must be at least 1")
+        if args.chunk_tokens < 1:
+            parser.error("--chunk-tokens must be at least 1")
         if not 0 < args.heldout_fraction < 1:
             parser.error("--heldout-fraction must be between 0 and 1 (e.g. 0.05)")
     return args
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 def prepare(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out} exists and is not a folder: give a folder to write the shards into")
+        raise DataError(f"--out {out} exists and is not a folder: give a folder to write the chunks into")
     console = Console(stderr=True)
     progress = Progress(
         SpinnerColumn(finished_text="[green]✓[/green]"),
@@ -161,7 +162,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
             args.source,
             out,
             tokenizer,
-            shard_tokens=args.shard_tokens,
+            chunk_tokens=args.chunk_tokens,
             heldout_fraction=args.heldout_fraction,
             on_progress=lambda done, total: progress.update(task, completed=done, total=total),
             text_key=args.text_key,
@@ -184,22 +185,25 @@ def _tokenizer(args: argparse.Namespace, out: Path, progress: Progress) -> Token
 
 def summarize(data: TokenShards) -> dict[str, Any]:
     index = data.index
+    raw = json.loads(index.raw)
     tokenizer_file = data.folder / TOKENIZER_FILE
     return {
         "index": str(data.folder / INDEX_FILE),
         "index_sha256": data.sha256,
-        "source": index.get("source", ""),
-        "shards": len(data.train),
+        "source": index.source,
+        "chunks": len(index.chunks),
+        "chunk_tokens": index.chunk_tokens,
         "train_tokens": data.total_train_tokens,
+        "train_bytes": index.train_bytes,
         "heldout_tokens": len(data.heldout),
         "heldout_bytes": data.heldout_bytes,
-        "documents": index.get("documents", 0),
-        "skipped": index.get("skipped", 0),
+        "documents": index.documents,
+        "skipped": index.skipped,
         "vocab_size": data.vocab_size,
-        "dtype": index["dtype"],
+        "dtype": raw["dtype"],
         "tokenizer_sha256": data.tokenizer_sha256,
         "tokenizer_file": str(tokenizer_file) if tokenizer_file.is_file() else "",
-        "shard_files": [{"file": s["file"], "tokens": s["tokens"]} for s in index["shards"]],
+        "chunk_files": [{"file": c.file, "tokens": c.tokens, "sha256": c.sha256} for c in index.chunks],
     }
 
 
@@ -215,7 +219,10 @@ def print_summary(summary: dict[str, Any]) -> None:
     rows = [
         ("source", escape(str(summary["source"]))),
         ("documents", f"{summary['documents']:,} ({summary['skipped']:,} skipped)"),
-        ("train", f"{summary['train_tokens']:,} tokens in {summary['shards']:,} shards"),
+        (
+            "train",
+            f"{summary['train_tokens']:,} tokens in {summary['chunks']:,} chunks of up to {summary['chunk_tokens']:,}",
+        ),
         ("held out", f"{summary['heldout_tokens']:,} tokens ({summary['heldout_bytes']:,} bytes of text)"),
         ("vocabulary", f"{summary['vocab_size']:,} ids, stored as {summary['dtype']}"),
         ("tokenizer sha256", tokenizer),

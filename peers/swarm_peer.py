@@ -253,6 +253,7 @@ async def run_peer(
     training = TrainingOptions(
         enabled=args.trainer,
         data=args.data,
+        data_cache=args.data_cache,
         seed=args.seed,
         only=args.trainer_only,
         check_fraction=args.check_fraction,
@@ -280,9 +281,11 @@ async def run_peer(
         if not await joined(peer, stop, max(args.status_every, JOIN_PROGRESS_EVERY)):
             return 0  # stopped while joining (Ctrl-C): the finally below stops what started
         if peer.data is not None:
+            index = peer.data.index
             print(
-                f"training on {peer.data.total_train_tokens / 1e6:.1f}M tokens in {len(peer.data.train)} shards "
-                f"({peer.data.folder}), in an order of this peer's own",
+                f"training on {index.train_tokens / 1e6:.1f}M tokens in {len(index.chunks)} chunks from "
+                f"{peer.data.locations[0]}, read where the swarm has read least; data cache "
+                f"{peer.data.cache.folder} (cap {peer.data.cache.cap_bytes / 2**30:.1f} GiB)",
                 flush=True,
             )
         if args.hours is not None or args.yield_gpu:  # the owner's rules pause and resume the peer by themselves

@@ -11,8 +11,9 @@ from peers import runtime
 from swarm import __version__
 from swarm.capacity.budget import parse_memory
 from swarm.client.checks import CHECK_FRACTION
+from swarm.dataset.cache import parse_size
 from swarm.dht.records import MAX_THROUGHPUT
-from swarm.errors import CapacityError, PeerStartError
+from swarm.errors import CapacityError, DataError, PeerStartError
 from swarm.peer.owner import Hours, parse_hours
 from swarm.throughput import DEFAULT_BANDWIDTH_MBITS
 
@@ -187,6 +188,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--data", default=None, metavar="PATH", help="train on this text file or folder instead")
     parser.add_argument(
+        "--data-cache",
+        default="4GB",
+        metavar="SIZE",
+        help="disk this machine gives to the swarm's data chunks (default: 4GB; least recently used go first; "
+        "at least two chunks, e.g. 16MiB for 8 MiB chunks)",
+    )
+    parser.add_argument(
         "--device",
         default="auto",
         type=_device,
@@ -258,6 +266,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0.0 <= args.check_fraction <= 1.0:
         parser.error("--check-fraction must be between 0 and 1")
+    try:
+        args.data_cache = parse_size(args.data_cache)
+    except DataError as e:
+        parser.error(f"--data-cache: {e}")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
     if args.checkpoint_every < 0:

@@ -9,6 +9,7 @@ classes by tests/test_errors.py:
     SwarmError -> Exception: the base; raised itself only for an error that fits none of the others
     ManifestError -> SwarmError: a manifest (or its secret file) is missing, unreadable or invalid
     DataError -> SwarmError: training data cannot be found, read or used
+    ChunkError -> DataError: one place (a URL, a folder, a peer) could not give a data chunk, or gave wrong bytes
     TokenizerError -> SwarmError: a tokenizer cannot be loaded, trained, fetched or used
     PeerStartError -> SwarmError: a peer (or a reader) cannot start: its flags, identity, DHT or ports
     BadRequestError -> SwarmError: a stage request from the network failed validation; it was not applied
@@ -46,6 +47,11 @@ class ManifestError(SwarmError):
 
 class DataError(SwarmError):
     """The training data cannot be found, read or used (its index, its shards, its tokenizer's pin)."""
+
+
+class ChunkError(DataError):
+    """One place (a URL, a folder, a peer) could not give a chunk of the training data, or gave bytes that fail
+    its hash: the fetcher tries the next place."""
 
 
 class TokenizerError(SwarmError):

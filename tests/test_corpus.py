@@ -76,24 +76,24 @@ def test_prepare_a_folder_of_byte_tokens(folder, tmp_path):
     index = json.loads(index_path.read_text())
     total = sum(f.stat().st_size for f in source.rglob("*.txt"))
     assert seen[-1] == (total, total) and all(a[0] <= b[0] for a, b in zip(seen, seen[1:])) and len(seen) > 2
-    assert index["format"] == 1 and index["dtype"] == "uint8" and index["vocab_size"] == 256
+    assert index["format"] == 2 and index["dtype"] == "uint8" and index["vocab_size"] == 256
     assert index["documents"] == len(texts) and index["skipped"] == 0 and index["tokenizer_sha256"] == ""
     every = sum(len(t.encode()) + 1 for t in texts.values())  # each document, then a newline
-    train = sum(s["tokens"] for s in index["shards"])
-    assert train + index["heldout"]["tokens"] == every
-    assert len(index["shards"]) == -(-train // 1000) and all(s["tokens"] == 1000 for s in index["shards"][:-1])
+    train = sum(s["tokens"] for s in index["chunks"])
+    assert train + sum(c["tokens"] for c in index["heldout"]["chunks"]) == every
+    assert len(index["chunks"]) == -(-train // 1000) and all(s["tokens"] == 1000 for s in index["chunks"][:-1])
     heldout = [name for name in texts if heldout_bucket(name) < 0.05 * 100_000]
-    assert index["heldout"]["bytes"] == sum(len(texts[name].encode()) for name in heldout) > 0
-    for entry in index["shards"]:
-        assert (tmp_path / "out" / entry["file"]).stat().st_size == entry["tokens"]
+    assert index["heldout"]["text_bytes"] == sum(len(texts[name].encode()) for name in heldout) > 0
+    for entry in index["chunks"] + index["heldout"]["chunks"]:
+        assert (tmp_path / "out" / entry["file"]).stat().st_size == entry["tokens"] == entry["size"]
     assert not [f for f in (tmp_path / "out").iterdir() if f.name.endswith(".tmp")]
-    prepare_corpus(str(source), tmp_path / "out", byte_tokenizer(), shard_tokens=10**6)  # again, one shard now
-    assert sorted(f.name for f in (tmp_path / "out").iterdir()) == ["heldout.bin", "index.json", "shard-00000.bin"]
+    prepare_corpus(str(source), tmp_path / "out", byte_tokenizer(), chunk_tokens=10**6)  # again, one chunk now
+    assert sorted(f.name for f in (tmp_path / "out").iterdir()) == ["chunk-00000.bin", "heldout-00000.bin", "index.json"]
 
 
 def test_bpe_split_is_by_document_name_and_disjoint(folder, tmp_path, bpe):
     source, texts = folder
-    data = TokenShards.open(prepare_corpus(str(source), tmp_path / "out", bpe, shard_tokens=700))
+    data = TokenShards.open(prepare_corpus(str(source), tmp_path / "out", bpe, chunk_tokens=700))
     assert data.dtype == np.dtype("<u2") and data.vocab_size == 500 and data.tokenizer_sha256 == bpe.sha256
     train = split_documents(np.concatenate(data.train), bpe)
     heldout = split_documents(data.heldout, bpe)
@@ -109,10 +109,10 @@ def test_bpe_split_is_by_document_name_and_disjoint(folder, tmp_path, bpe):
     cwd = os.getcwd()
     try:
         os.chdir(tmp_path)  # the index records the source as given: "corpus" both times
-        first = prepare_corpus("corpus", tmp_path / "one", bpe, shard_tokens=700)
+        first = prepare_corpus("corpus", tmp_path / "one", bpe, chunk_tokens=700)
         os.rename("corpus", "first")
         os.rename("again", "corpus")
-        second = prepare_corpus("corpus", tmp_path / "two", bpe, shard_tokens=700)
+        second = prepare_corpus("corpus", tmp_path / "two", bpe, chunk_tokens=700)
     finally:
         os.chdir(cwd)
     assert first.read_bytes() == second.read_bytes() and index_sha256(first) == index_sha256(second)
@@ -122,7 +122,7 @@ def test_single_document_holds_out_its_end(tmp_path, bpe):
     text = "".join(document(i) for i in range(40))
     (tmp_path / "book.txt").write_text(text, encoding="utf-8")
     data = TokenShards.open(prepare_corpus(str(tmp_path / "book.txt"), tmp_path / "out", bpe, heldout_fraction=0.1))
-    assert data.index["documents"] == 1
+    assert data.index.documents == 1
     train, heldout = bpe.decode(np.concatenate(data.train)), bpe.decode(data.heldout)
     cut = int(len(text) * 0.9)
     assert train == text[:cut] + ENDOFTEXT and heldout == text[cut:] + ENDOFTEXT
@@ -146,7 +146,7 @@ def test_jsonl_skips_and_counts_bad_lines(tmp_path, bpe):
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     data = TokenShards.open(prepare_corpus(str(path), tmp_path / "out", bpe))
-    assert data.index["documents"] == 30 and data.index["skipped"] == 4  # the empty line is no document
+    assert data.index.documents == 30 and data.index.skipped == 4  # the empty line is no document
     everything = split_documents(np.concatenate([*data.train, data.heldout]), bpe)
     assert sorted(everything) == sorted(document(i) for i in range(30))
     keyed = tmp_path / "keyed.jsonl"
@@ -165,7 +165,7 @@ def test_parquet_rows_are_documents(tmp_path, bpe):
     pq.write_table(pa.table({"text": [*texts, None], "id": list(range(26))}), folder / "rows.parquet")
     (folder / "notes.md").write_text(document(99), encoding="utf-8")
     data = TokenShards.open(prepare_corpus(str(folder), tmp_path / "out", bpe))
-    assert data.index["documents"] == 26 and data.index["skipped"] == 1
+    assert data.index.documents == 26 and data.index.skipped == 1
     everything = split_documents(np.concatenate([*data.train, data.heldout]), bpe)
     assert sorted(everything) == sorted([*texts, document(99)])
     with pytest.raises(DataError, match="no column 'body'.*text, id"):
@@ -174,33 +174,33 @@ def test_parquet_rows_are_documents(tmp_path, bpe):
 
 def test_shards_are_memory_mapped_and_checked(folder, tmp_path):
     source, _ = folder
-    index = prepare_corpus(str(source), tmp_path / "out", byte_tokenizer(), shard_tokens=1500)
+    index = prepare_corpus(str(source), tmp_path / "out", byte_tokenizer(), chunk_tokens=1500)
     data = TokenShards.open(index, expected_sha256=index_sha256(index), verify=True)
-    assert all(isinstance(shard, np.memmap) for shard in data.train) and isinstance(data.heldout, np.memmap)
+    assert all(isinstance(chunk, np.memmap) for chunk in data.train) and len(data.index.heldout) > 1
     assert data.total_train_tokens == sum(len(s) for s in data.train) > 0
     x, y = sample_batch(data.train[0], 4, 16, np.random.default_rng(0))
     assert x.shape == (4, 16) and (x[:, 1:] == y[:, :-1]).all()
     assert len(heldout_batches(data.heldout, 3, 2, 16)) == 3
     with pytest.raises(DataError, match="prepared differently"):
         TokenShards.open(index, expected_sha256="0" * 64)
-    shard = tmp_path / "out" / "shard-00001.bin"
+    shard = tmp_path / "out" / "chunk-00001.bin"
     content = bytearray(shard.read_bytes())
     content[10] ^= 0xFF
     shard.write_bytes(bytes(content))
     TokenShards.open(index)  # the same size: found only by hashing
-    with pytest.raises(DataError, match="shard-00001.bin does not have the SHA-256"):
+    with pytest.raises(DataError, match="chunk-00001.bin does not have the SHA-256"):
         TokenShards.open(index, verify=True)
     shard.write_bytes(bytes(content[:-1]))
-    with pytest.raises(DataError, match="shard-00001.bin should have 1500 bytes"):
+    with pytest.raises(DataError, match="chunk-00001.bin should have 1500 bytes"):
         TokenShards.open(index)
     (tmp_path / "out" / "index.json").write_text('{"format": 7}')
-    with pytest.raises(DataError, match="format 7"):
+    with pytest.raises(DataError, match="format '7'"):
         TokenShards.open(tmp_path / "out")
 
 
 def test_training_stream_walks_every_shard_in_its_own_order(folder, tmp_path, bpe):
     source, _ = folder
-    data = TokenShards.open(prepare_corpus(str(source), tmp_path / "out", bpe, shard_tokens=400))
+    data = TokenShards.open(prepare_corpus(str(source), tmp_path / "out", bpe, chunk_tokens=400))
     assert len(data.train) >= 8
     length, window = 31, 32
     usable = {k for k, shard in enumerate(data.train) if len(shard) >= window}
@@ -235,7 +235,7 @@ def test_ensure_prepared_reuses_its_cache_and_survives_a_race(folder, tmp_path):
     def prepare():
         barrier.wait()
         try:
-            results.append(ensure_prepared(str(source), byte_tokenizer(), cache, shards=4, heldout_fraction=0.1))
+            results.append(ensure_prepared(str(source), byte_tokenizer(), cache, chunks=4, heldout_fraction=0.1))
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -250,10 +250,10 @@ def test_ensure_prepared_reuses_its_cache_and_survives_a_race(folder, tmp_path):
     data = TokenShards.open(results[0], verify=True)
     assert len(data.train) == 4 and len({len(s) for s in data.train[:-1]}) == 1
     written = results[0].stat().st_mtime_ns
-    assert ensure_prepared(str(source), byte_tokenizer(), cache, shards=4, heldout_fraction=0.1) == results[0]
+    assert ensure_prepared(str(source), byte_tokenizer(), cache, chunks=4, heldout_fraction=0.1) == results[0]
     assert results[0].stat().st_mtime_ns == written  # reused, not prepared again
     (source / "new.txt").write_text("a new document")
-    assert ensure_prepared(str(source), byte_tokenizer(), cache, shards=4, heldout_fraction=0.1) != results[0]
+    assert ensure_prepared(str(source), byte_tokenizer(), cache, chunks=4, heldout_fraction=0.1) != results[0]
     # the older interface: a trainer's shard of a raw source, and the held-out part
     loaded = TextData.load(str(source), 0.1, shard=5, shards=4)
     assert isinstance(loaded.train, np.memmap) and len(loaded.train) > 0 and len(loaded.heldout) > 0
@@ -261,13 +261,13 @@ def test_ensure_prepared_reuses_its_cache_and_survives_a_race(folder, tmp_path):
 
 def test_open_swarm_data_checks_the_manifest_pins(folder, tmp_path, bpe):
     source, _ = folder
-    prepared = prepare_corpus(str(source), tmp_path / "prepared", byte_tokenizer(), shard_tokens=1000)
+    prepared = prepare_corpus(str(source), tmp_path / "prepared", byte_tokenizer(), chunk_tokens=1000)
 
     def manifest(**data):
         return manifest_from_dict(tiny_manifest_dict(data={"source": str(tmp_path / "prepared"), **data}))
 
     data = open_swarm_data(manifest(index_sha256=index_sha256(prepared)), byte_tokenizer())
-    assert data.sha256 == index_sha256(prepared) and len(data.train) == len(json.loads(prepared.read_text())["shards"])
+    assert data.sha256 == index_sha256(prepared) and len(data.train) == len(json.loads(prepared.read_text())["chunks"])
     with pytest.raises(DataError, match="prepared differently"):
         open_swarm_data(manifest(index_sha256="f" * 64), byte_tokenizer())
     assert open_swarm_data(manifest(index_sha256="f" * 64), byte_tokenizer(), str(prepared)).sha256  # a peer's own

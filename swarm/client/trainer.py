@@ -30,6 +30,7 @@ from swarm.client.relay import RelayedPipeline
 from swarm.client.rpc import call_stage, ping
 from swarm.client.window import AdaptiveWindow
 from swarm.dataset.shards import TrainingStream, sample_batch
+from swarm.dataset.stream import ChunkStream
 from swarm.dht.announcement_cache import AnnouncementCache
 from swarm.dht.records import (
     MAX_ATTESTED_PEERS,
@@ -107,10 +108,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- training
 
     async def train(
-        self, tokens: np.ndarray | TrainingStream, stop: asyncio.Event, max_samples: int | None = None
+        self, tokens: np.ndarray | TrainingStream | ChunkStream, stop: asyncio.Event, max_samples: int | None = None
     ) -> None:
-        """Train on the windows a TrainingStream hands out (or random windows of `tokens`) until `stop` is set (or
-        max_samples are done)."""
+        """Train on the windows a ChunkStream or TrainingStream hands out (or random windows of `tokens`) until
+        `stop` is set (or max_samples are done)."""
         training = self.manifest.training
         data_rng = np.random.default_rng(self.rng.getrandbits(64))
         reporter = asyncio.create_task(self._report_forever())
@@ -119,7 +120,9 @@ class Trainer:
             while not stop.is_set() and (max_samples is None or self.samples < max_samples):
                 while len(tasks) < self.window.size and not self.paused:
                     length = self.manifest.model.context_length
-                    if isinstance(tokens, TrainingStream):
+                    if isinstance(tokens, ChunkStream):  # may wait for a chunk to arrive
+                        batch = await tokens.next_batch(training.microbatch_size, length)
+                    elif isinstance(tokens, TrainingStream):
                         batch = tokens.next_batch(training.microbatch_size, length)
                     else:
                         batch = sample_batch(tokens, training.microbatch_size, length, data_rng)

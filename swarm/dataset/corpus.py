@@ -1,14 +1,17 @@
-"""Data preparation: a corpus tokenized once into token shards, which trainers then read memory-mapped (shards.py).
+"""Data preparation: a corpus tokenized once into token chunks, which trainers then read memory-mapped (shards.py).
 
 Each document of the source (see documents.py: a text file, a JSON line, a parquet row) is tokenized and followed
 by the tokenizer's end-of-document token (the byte vocabulary has none: a newline then), into the held-out part
 or the train part by the hash of its name. The held-out part is never empty (nor the train part) when there are
 two documents or more; a corpus of one document gives the end of it to the held-out part.
 
-The output folder holds the train part in shards of about `shard_tokens` tokens (`shard-00000.bin`, ...: raw
-little-endian tokens, a document may span two), the held-out part (`heldout.bin`) and `index.json`, which names
-every file with its token count and SHA-256 and is written last: a folder with an index is complete. The index is
-deterministic (same inputs, same bytes), so its hash names the prepared data. Documents and tokens are streamed:
+The output folder holds the train part in chunks of `chunk_tokens` tokens (`chunk-00000.bin`, ...: raw
+little-endian tokens, a document may span two; the last chunk smaller), the held-out part in chunks of the same size
+(`heldout-00000.bin`, ...) and `index.json`, which names every chunk with its token count, byte size and SHA-256 and
+is written last: a folder with an index is complete. The index is deterministic (same inputs, same bytes), so its
+hash names the prepared data. Chunks are what a volunteer downloads, verifies and caches (swarm/dataset/fetching.py):
+at the default 4 Mi tokens (8 MiB of uint16), one takes under 2 s at 50 Mbit/s, so a trainer's first microbatch
+waits for one chunk, and a 20 GB corpus is about 2,500 of them. Documents and tokens are streamed:
 the corpus is never in memory whole. `ensure_prepared` does all this once per raw source, into a cache.
 """
 
@@ -41,26 +44,20 @@ from swarm.dataset.documents import (
     heldout_bucket,
     read_documents,
 )
+from swarm.dataset.index import HELDOUT_PREFIX, MAX_CHUNK_TOKENS, MAX_CHUNKS, TRAIN_PREFIX, token_dtype
+from swarm.dataset.remote_documents import is_remote_source, read_remote_documents, remote_files, remote_total_bytes
 from swarm.dataset.tokenizer import Tokenizer
 from swarm.errors import DataError
 from swarm.files import AtomicFile, atomic_write, cache_root, temporary_path
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 INDEX_FILE = "index.json"
-HELDOUT_FILE = "heldout.bin"
-DEFAULT_SHARD_TOKENS = 16_777_216
+DEFAULT_CHUNK_TOKENS = 1 << 22
 _BATCH_CHARS = 4 << 20  # texts tokenized together, at most
 _BATCH_TEXTS = 1024
 _COPY_TOKENS = 1 << 24
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype that holds every id: uint8, uint16 or uint32."""
-    if vocab_size <= 1 << 8:
-        return np.dtype(np.uint8)
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
 def index_sha256(path: Path | str) -> str:
@@ -96,28 +93,35 @@ class _TokenFile:
     def commit(self) -> dict:
         """Put the file in place; its entry in the index."""
         self.file.commit()
-        return {"file": self.path.name, "tokens": self.tokens, "sha256": self.digest.hexdigest()}
+        size = self.tokens * self.dtype.itemsize
+        return {"file": self.path.name, "tokens": self.tokens, "size": size, "sha256": self.digest.hexdigest()}
 
     def abort(self) -> None:
         self.file.abort()
 
 
-class _ShardWriter:
-    """The train part: shards of `shard_tokens` tokens each (the last one smaller); a document may span two."""
+def chunk_file(prefix: str, number: int) -> str:
+    """The name of a chunk's file: chunk-00000.bin (train), heldout-00000.bin (held out)."""
+    return f"{prefix}-{number:05d}.bin"
 
-    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int):
-        self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
+
+class _ChunkWriter:
+    """One part (train or held out): chunks of `chunk_tokens` tokens each (the last one smaller); a document may
+    span two."""
+
+    def __init__(self, folder: Path, prefix: str, dtype: np.dtype, chunk_tokens: int):
+        self.folder, self.prefix, self.dtype, self.chunk_tokens = folder, prefix, dtype, chunk_tokens
         self.entries: list[dict] = []
         self.current: _TokenFile | None = None
 
     def write(self, tokens: np.ndarray) -> None:
         while len(tokens):
             if self.current is None:
-                self.current = _TokenFile(self.folder / f"shard-{len(self.entries):05d}.bin", self.dtype)
-            room = self.shard_tokens - self.current.tokens
+                self.current = _TokenFile(self.folder / chunk_file(self.prefix, len(self.entries)), self.dtype)
+            room = self.chunk_tokens - self.current.tokens
             self.current.write(tokens[:room])
             tokens = tokens[room:]
-            if self.current.tokens >= self.shard_tokens:
+            if self.current.tokens >= self.chunk_tokens:
                 self.entries.append(self.current.commit())
                 self.current = None
 
@@ -136,8 +140,8 @@ class _ShardWriter:
 class _Pass:
     """What one pass over the documents wrote, and what it saw of the split."""
 
-    shards: list[dict]
-    heldout: dict
+    chunks: list[dict]
+    heldout: list[dict]
     documents: int = 0
     heldout_documents: int = 0
     first_train: tuple[int, str] | None = None  # the train document that is the nearest to being held out
@@ -193,7 +197,7 @@ def _write_pass(
     documents: Iterable[Document],
     out_dir: Path,
     tokenizer: Tokenizer,
-    shard_tokens: int,
+    chunk_tokens: int,
     fraction: float,
     forced: dict[str, bool],
     tail: bool,
@@ -202,9 +206,9 @@ def _write_pass(
     dtype = token_dtype(tokenizer.vocab_size)
     # the end of a document: the tokenizer's end token, else a newline (for bytes, and tokenizers without one)
     end = np.array([tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n"), dtype=np.int64)
-    train = _ShardWriter(out_dir, dtype, shard_tokens)
-    heldout = _TokenFile(out_dir / HELDOUT_FILE, dtype)
-    result = _Pass(shards=[], heldout={})
+    train = _ChunkWriter(out_dir, TRAIN_PREFIX, dtype, chunk_tokens)
+    heldout = _ChunkWriter(out_dir, HELDOUT_PREFIX, dtype, chunk_tokens)
+    result = _Pass(chunks=[], heldout=[])
     heldout_bytes = 0
     try:
         for batch in _batches(_items(documents, fraction, forced, tail, result)):
@@ -222,8 +226,8 @@ def _write_pass(
                 train.write(np.concatenate(parts[False]))
             if parts[True]:
                 heldout.write(np.concatenate(parts[True]))
-        result.shards = train.finish()
-        result.heldout = heldout.commit()
+        result.chunks = train.finish()
+        result.heldout = heldout.finish()
     except BaseException:
         train.abort()
         heldout.abort()
@@ -231,15 +235,15 @@ def _write_pass(
     return result, heldout_bytes
 
 
-def _split_shards(out_dir: Path, shards: list[dict], dtype: np.dtype, count: int) -> list[dict]:
-    """The train part (in one shard) rewritten as `count` shards of equal size (the last one smaller)."""
-    # the new shard-00000.bin replaces the old one's name only: the memmap keeps reading the old file
-    whole = np.memmap(out_dir / shards[0]["file"], dtype=dtype.newbyteorder("<"), mode="r")
+def _split_chunks(out_dir: Path, chunks: list[dict], dtype: np.dtype, count: int) -> list[dict]:
+    """The train part (in one chunk) rewritten as `count` chunks of equal size (the last one smaller)."""
+    # the new chunk-00000.bin replaces the old one's name only: the memmap keeps reading the old file
+    whole = np.memmap(out_dir / chunks[0]["file"], dtype=dtype.newbyteorder("<"), mode="r")
     count = max(1, min(count, len(whole)))
     size = math.ceil(len(whole) / count)
     entries = []
     for k in range(count):
-        output = _TokenFile(out_dir / f"shard-{k:05d}.bin", dtype)
+        output = _TokenFile(out_dir / chunk_file(TRAIN_PREFIX, k), dtype)
         for start in range(k * size, min(len(whole), (k + 1) * size), _COPY_TOKENS):
             output.write(np.asarray(whole[start : min(start + _COPY_TOKENS, (k + 1) * size)]))
         entries.append(output.commit())
@@ -251,32 +255,39 @@ def prepare_corpus(
     source: str,
     out_dir: Path | str,
     tokenizer: Tokenizer,
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     heldout_fraction: float = 0.05,
     on_progress: ProgressCallback | None = None,
     text_key: str = "text",
-    shard_count: int | None = None,
+    chunk_count: int | None = None,
 ) -> Path:
     """Tokenize `source` into `out_dir` (see the module's docstring); returns the path of its index.json.
 
-    on_progress(bytes read, bytes in all) is called as the source files are read. shard_count: make exactly that
-    many train shards (fewer if there are fewer train tokens) instead of shards of `shard_tokens`."""
+    on_progress(bytes read, bytes in all) is called as the source files are read. chunk_count: make exactly that
+    many train chunks (fewer if there are fewer train tokens) instead of chunks of `chunk_tokens`."""
     if not 0 < heldout_fraction < 1:
         raise DataError(f"heldout_fraction {heldout_fraction} must be between 0 and 1 (e.g. 0.05)")
-    if shard_tokens < 1:
-        raise DataError(f"shard_tokens {shard_tokens} must be at least 1")
+    if not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:
+        raise DataError(f"chunk_tokens {chunk_tokens} must be between 1 and {MAX_CHUNK_TOKENS:,}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / INDEX_FILE).unlink(missing_ok=True)  # the folder is incomplete until the new index is written
-    root, files = corpus_files(source, exclude=out_dir)
-    reading = Reading(total_bytes=sum(f.stat().st_size for f in files), on_progress=on_progress)
-    size = shard_tokens if shard_count is None else 1 << 62
+    if is_remote_source(source):  # files on the web or in a store, streamed (each pass reads them again)
+        urls = remote_files(source)
+        reading = Reading(total_bytes=remote_total_bytes(urls), on_progress=on_progress)
+        tail = False  # records, never one text file
+        read = lambda: read_remote_documents(urls, text_key, reading)  # noqa: E731
+    else:
+        root, files = corpus_files(source, exclude=out_dir)
+        reading = Reading(total_bytes=sum(f.stat().st_size for f in files), on_progress=on_progress)
+        tail = len(files) == 1 and files[0].suffix.lower() not in RECORD_SUFFIXES  # one text file: one document
+        read = lambda: read_documents(root, files, text_key, reading)  # noqa: E731
+    size = chunk_tokens if chunk_count is None else 1 << 62
     forced: dict[str, bool] = {}
-    tail = len(files) == 1 and files[0].suffix.lower() not in RECORD_SUFFIXES  # one text file: one document
     while True:
         reading.done_bytes = reading.skipped = 0
         reading.skipped_examples.clear()
-        documents = read_documents(root, files, text_key, reading)
+        documents = read()
         result, heldout_bytes = _write_pass(documents, out_dir, tokenizer, size, heldout_fraction, forced, tail)
         if result.documents == 0:
             raise DataError(f"data source {source!r} has no usable document ({reading.skipped} skipped)")
@@ -288,15 +299,21 @@ def prepare_corpus(
             forced = {result.last_heldout[1]: False}  # train on at least one document
         else:
             break
-        logger.info("data source %r: writing its shards again to correct the held-out split", source)
+        logger.info("data source %r: writing its chunks again to correct the held-out split", source)
     dtype = token_dtype(tokenizer.vocab_size)
-    shards = result.shards
-    if shard_count is not None and shards:
-        shards = _split_shards(out_dir, shards, dtype, shard_count)
-    names = {entry["file"] for entry in shards}
-    for stale in out_dir.glob("shard-*.bin"):  # left by an earlier preparation into the same folder
-        if stale.name not in names:
-            stale.unlink()
+    chunks = result.chunks
+    if chunk_count is not None and chunks:
+        chunks = _split_chunks(out_dir, chunks, dtype, chunk_count)
+    if len(chunks) + len(result.heldout) > MAX_CHUNKS:
+        raise DataError(
+            f"{len(chunks) + len(result.heldout):,} chunks is more than the {MAX_CHUNKS:,} an index may name: "
+            "prepare it with larger chunks (--chunk-tokens)"
+        )
+    names = {entry["file"] for entry in [*chunks, *result.heldout]}
+    for pattern in ("shard-*.bin", "heldout*.bin", f"{TRAIN_PREFIX}-*.bin"):  # left by an earlier preparation
+        for stale in out_dir.glob(pattern):
+            if stale.name not in names:
+                stale.unlink()
     if reading.skipped:
         logger.warning(
             "data source %r: skipped %d records (%s)", source, reading.skipped, "; ".join(reading.skipped_examples)
@@ -310,22 +327,23 @@ def prepare_corpus(
         "heldout_fraction": heldout_fraction,
         "documents": result.documents,
         "skipped": reading.skipped,
-        "shards": shards,
-        "heldout": result.heldout | {"bytes": heldout_bytes},
+        "chunk_tokens": chunk_tokens if chunk_count is None else max((c["tokens"] for c in chunks), default=1),
+        "chunks": chunks,
+        "heldout": {"chunks": result.heldout, "text_bytes": heldout_bytes},
     }
     index_path = out_dir / INDEX_FILE
     atomic_write(index_path, json.dumps(index, sort_keys=True, indent=1, separators=(",", ": ")) + "\n")
     if on_progress is not None:
         on_progress(reading.total_bytes, reading.total_bytes)
-    train_tokens = sum(entry["tokens"] for entry in shards)
+    train_tokens = sum(entry["tokens"] for entry in chunks)
     logger.info(
-        "prepared %r into %s: %d documents, %d train tokens in %d shards, %d held-out tokens",
+        "prepared %r into %s: %d documents, %d train tokens in %d chunks, %d held-out tokens",
         source,
         out_dir,
         result.documents,
         train_tokens,
-        len(shards),
-        result.heldout["tokens"],
+        len(chunks),
+        sum(entry["tokens"] for entry in result.heldout),
     )
     return index_path
 
@@ -338,7 +356,7 @@ def default_cache_dir() -> Path:
     return cache_root() / "data"
 
 
-def _cache_key(source: str, tokenizer: Tokenizer, shards: int, heldout_fraction: float) -> str:
+def _cache_key(source: str, tokenizer: Tokenizer, chunks: int, heldout_fraction: float) -> str:
     if source == STDLIB:
         where, fingerprint = sysconfig.get_paths()["stdlib"], ""  # one Python version's standard library
     else:  # local files change: their names, sizes and times are part of the key
@@ -346,7 +364,7 @@ def _cache_key(source: str, tokenizer: Tokenizer, shards: int, heldout_fraction:
         where = str(Path(source).expanduser().resolve())
         stats = [(f.relative_to(root).as_posix(), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
         fingerprint = hashlib.sha256(json.dumps(stats).encode()).hexdigest()
-    key = [FORMAT, where, fingerprint, tokenizer.sha256 or "bytes", shards, heldout_fraction]
+    key = [FORMAT, where, fingerprint, tokenizer.sha256 or "bytes", chunks, heldout_fraction]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
 
 
@@ -371,16 +389,16 @@ def ensure_prepared(
     source: str,
     tokenizer: Tokenizer,
     cache_dir: Path | str | None = None,
-    shards: int = 1,
+    chunks: int = 1,
     heldout_fraction: float = 0.05,
 ) -> Path:
-    """The index of `source` prepared into `shards` train shards in the cache: prepared on first use, then reused.
+    """The index of `source` prepared into `chunks` train chunks in the cache: prepared on first use, then reused.
 
     Peer processes may call this at once for the same data: one prepares it (into a temporary folder, renamed
     when complete) while the others wait for it, under a lock file, then use what it wrote."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    key = _cache_key(source, tokenizer, shards, heldout_fraction)
+    key = _cache_key(source, tokenizer, chunks, heldout_fraction)
     final = cache_dir / key
     if (final / INDEX_FILE).is_file():
         return final / INDEX_FILE
@@ -406,7 +424,7 @@ def ensure_prepared(
                 tokenizer,
                 heldout_fraction=heldout_fraction,
                 on_progress=progress,
-                shard_count=shards,
+                chunk_count=chunks,
             )
             with contextlib.suppress(OSError):  # a folder there already (written without the lock): use it
                 os.rename(temporary, final)

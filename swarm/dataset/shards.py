@@ -15,7 +15,6 @@ benchmarks and the tests: raw sources are prepared once into the cache by `ensur
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,16 +23,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from swarm.dataset.corpus import FORMAT, INDEX_FILE, ensure_prepared, index_sha256, token_dtype
+from swarm.dataset.corpus import INDEX_FILE, ensure_prepared
 from swarm.dataset.documents import STDLIB
+from swarm.dataset.index import DataIndex, parse_index
 from swarm.dataset.tokenizer import Tokenizer, byte_tokenizer, file_sha256
 from swarm.errors import DataError
 
 if TYPE_CHECKING:
     from swarm.manifests.manifest import Manifest
-
-_DTYPES = ("uint8", "uint16", "uint32")
-
 
 # ------------------------------------------------------------------------------------------------ prepared shards
 
@@ -45,90 +42,53 @@ def _open_tokens(path: Path, dtype: np.dtype, tokens: int) -> np.ndarray:
 
 
 class TokenShards:
-    """A prepared folder: its train shards and held-out part as read-only memmaps, and what its index says."""
+    """A prepared folder whose chunks are all on this machine: its train chunks and held-out part as read-only
+    memmaps, and its index. (A volunteer's trainer reads chunks it fetches as it goes: swarm/dataset/stream.py.)"""
 
-    def __init__(self, folder: Path, index: dict, sha256: str):
+    def __init__(self, folder: Path, index: DataIndex):
         self.folder = folder
         self.index = index
-        self.sha256 = sha256
-        self.vocab_size: int = index["vocab_size"]
-        self.tokenizer_sha256: str = index["tokenizer_sha256"]
-        self.dtype = np.dtype(index["dtype"]).newbyteorder("<")
-        self.train: list[np.ndarray] = [
-            _open_tokens(folder / s["file"], self.dtype, s["tokens"]) for s in index["shards"]
-        ]
-        heldout = index["heldout"]
-        self.heldout: np.ndarray = _open_tokens(folder / heldout["file"], self.dtype, heldout["tokens"])
-        self.heldout_bytes: int = heldout.get("bytes", 0)
-        self.total_train_tokens = sum(len(shard) for shard in self.train)
+        self.sha256 = index.sha256
+        self.vocab_size: int = index.vocab_size
+        self.tokenizer_sha256: str = index.tokenizer_sha256
+        self.dtype = index.dtype
+        self.train: list[np.ndarray] = [_open_tokens(folder / c.file, self.dtype, c.tokens) for c in index.chunks]
+        heldout = [_open_tokens(folder / c.file, self.dtype, c.tokens) for c in index.heldout]
+        self.heldout: np.ndarray = (
+            heldout[0] if len(heldout) == 1 else np.concatenate(heldout or [np.zeros(0, self.dtype)])
+        )
+        self.heldout_bytes: int = index.heldout_text_bytes
+        self.total_train_tokens = sum(len(chunk) for chunk in self.train)
 
     @classmethod
     def open(cls, index_path: Path | str, expected_sha256: str = "", verify: bool = False) -> TokenShards:
         """Open a prepared folder (or its index.json). expected_sha256: the index's hash must be this one.
-        verify: also hash every shard file against the index (reads them all: slow on a large corpus)."""
+        verify: also hash every chunk against the index (reads them all: slow on a large corpus)."""
         path = Path(index_path).expanduser()
         if path.is_dir():
             path = path / INDEX_FILE
-        sha256 = index_sha256(path)
-        if expected_sha256 and sha256 != expected_sha256:
-            raise DataError(
-                f"the data index {path} has hash {sha256}, not {expected_sha256} as the swarm's: this data was "
-                "prepared differently (another source, tokenizer or settings); prepare it as the swarm did"
-            )
         try:
-            index = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
+            raw = path.read_bytes()
+        except OSError as e:
             raise DataError(
-                f"cannot read the data index {path} ({e}); prepare the data again with swarm-data"
+                f"cannot read the data index {path}: {e.strerror}; prepare the data with swarm-data"
             ) from None
-        _check_index(index, path)
-        entries = [*index["shards"], index["heldout"]]
-        for entry in entries:
-            file = path.parent / entry["file"]
-            expected = entry["tokens"] * np.dtype(index["dtype"]).itemsize
+        index = parse_index(raw, str(path), expected_sha256)
+        for chunk in (*index.chunks, *index.heldout):
+            file = path.parent / chunk.file
             size = file.stat().st_size if file.is_file() else None
-            if size != expected:
+            if size != chunk.size:
                 found = "it is missing" if size is None else f"it has {size}"
                 raise DataError(
-                    f"data file {file} should have {expected} bytes ({entry['tokens']} tokens) but {found}: the "
+                    f"data file {file} should have {chunk.size} bytes ({chunk.tokens} tokens) but {found}: the "
                     "prepared folder is incomplete or was changed; prepare it again"
                 )
-        if verify:
-            for entry in entries:
-                if file_sha256(path.parent / entry["file"]) != entry["sha256"]:
-                    raise DataError(
-                        f"data file {path.parent / entry['file']} does not have the SHA-256 its index states: it was "
-                        "changed or damaged; prepare the data again"
-                    )
-        return cls(path.parent, index, sha256)
-
-
-def _check_index(index: object, path: Path) -> None:
-    def bad(what: str) -> DataError:
-        return DataError(f"the data index {path} is invalid ({what}); prepare the data again with swarm-data")
-
-    if not isinstance(index, dict):
-        raise bad("not a JSON object")
-    if index.get("format") != FORMAT:
-        raise bad(f"format {index.get('format')!r}, this version reads format {FORMAT}")
-    if index.get("dtype") not in _DTYPES:
-        raise bad(f"dtype {index.get('dtype')!r}")
-    vocab_size = index.get("vocab_size")
-    if not isinstance(vocab_size, int) or vocab_size < 2 or token_dtype(vocab_size) != np.dtype(index["dtype"]):
-        raise bad(f"vocab_size {vocab_size!r} with dtype {index['dtype']}")
-    if not isinstance(index.get("tokenizer_sha256"), str):
-        raise bad("no tokenizer_sha256")
-    shards, heldout = index.get("shards"), index.get("heldout")
-    if not isinstance(shards, list) or not isinstance(heldout, dict):
-        raise bad("no shards or no heldout")
-    for entry in [*shards, heldout]:
-        if not isinstance(entry, dict):
-            raise bad("a file entry is not an object")
-        file, tokens = entry.get("file"), entry.get("tokens")
-        if not isinstance(file, str) or not file or Path(file).name != file or file.startswith("."):
-            raise bad(f"file name {file!r}: a plain name in the folder")
-        if not isinstance(tokens, int) or tokens < 0 or not isinstance(entry.get("sha256"), str):
-            raise bad(f"tokens or sha256 of {file}")
+            if verify and file_sha256(file) != chunk.sha256:
+                raise DataError(
+                    f"data file {file} does not have the SHA-256 its index states: it was changed or damaged; "
+                    "prepare the data again"
+                )
+        return cls(path.parent, index)
 
 
 class TrainingStream:
@@ -294,7 +254,7 @@ class TextData:
     def load(cls, source: str, heldout_fraction: float = 0.05, shard: int | None = None, shards: int = 1) -> TextData:
         """shard: that train shard of `shards` (a memmap); None: all train shards (in memory if more than one)."""
         data = TokenShards.open(
-            ensure_prepared(source, byte_tokenizer(), shards=shards, heldout_fraction=heldout_fraction)
+            ensure_prepared(source, byte_tokenizer(), chunks=shards, heldout_fraction=heldout_fraction)
         )
         if not data.train or data.total_train_tokens < 2:
             raise DataError(f"the training data of {source!r} is empty")

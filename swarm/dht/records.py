@@ -73,9 +73,14 @@ def trainers_key(swarm_id: str) -> str:
     return f"{swarm_id}.trainers"
 
 
+def data_key(swarm_id: str) -> str:
+    """The trainers' data progress (swarm/dataset/progress.py)."""
+    return f"{swarm_id}.data"
+
+
 def protected_keys(swarm_id: str, num_stages: int) -> list[str]:
     """The keys whose records only the peer named by their subkey may write (swarm/trust/signing.py)."""
-    return [*(stage_key(swarm_id, stage) for stage in range(num_stages)), trainers_key(swarm_id)]
+    return [*(stage_key(swarm_id, stage) for stage in range(num_stages)), trainers_key(swarm_id), data_key(swarm_id)]
 
 
 @dataclass(frozen=True)

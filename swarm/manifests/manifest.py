@@ -132,13 +132,16 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """What trainers read. `source` is "stdlib", a text file, a folder, a .jsonl or .parquet file (each peer
-    tokenizes it into token shards once, swarm/dataset/corpus.py), or a folder that `swarm-data prepare` wrote (then
-    `index_sha256` pins its index, so every trainer reads the same shards)."""
+    tokenizes it into token chunks once, swarm/dataset/corpus.py), or a prepared folder that `swarm-data prepare`
+    wrote, published anywhere: a path (relative to the manifest), an http(s) URL, or an fsspec URL (hf://, s3://);
+    then `index_sha256` pins its index, so every trainer reads the same verified chunks (swarm/dataset/locations.py).
+    `mirrors` are more places with the same prepared folder, tried in order after `source`."""
 
     source: str = "stdlib"
     heldout_fraction: float = 0.05
-    shards: int = 8  # train shards a raw source is cut into (a prepared folder has its own)
+    shards: int = 8  # train chunks a raw source is cut into (a prepared folder has its own)
     index_sha256: str = ""  # of a prepared folder's index.json; "": the source is raw text
+    mirrors: tuple[str, ...] = ()
     tokenizer: str = ""  # a tokenizer.json's name next to the manifest (or a URL); "": bytes (vocabulary 256)
     tokenizer_sha256: str = ""  # the tokenizer file's SHA-256: peers refuse any other file
 
@@ -243,7 +246,8 @@ class Manifest:
             "model": _without_later_defaults(self.model),
             "stages": {"count": self.num_stages, "layers": [list(r) for r in self.stages]},
             "training": _without_later_defaults(self.training),
-            "data": _without_later_defaults(self.data),
+            # mirrors are places, like initial peers, not what the swarm trains on (every chunk is pinned by hash)
+            "data": {k: v for k, v in _without_later_defaults(self.data).items() if with_peers or k != "mirrors"},
             # a public swarm's manifest does not mention the secret file (its swarm id stays as it was)
             "network": {k: v for k, v in dataclasses.asdict(self.network).items() if k != "secret_file" or v},
             "balancing": _without_later_defaults(self.balancing),
@@ -280,7 +284,7 @@ LATER_FIELDS = {
         "norm_eps",
     ),
     TrainingConfig: ("precision", "activation_checkpointing", "pipelining"),
-    DataConfig: ("index_sha256", "tokenizer", "tokenizer_sha256"),
+    DataConfig: ("index_sha256", "tokenizer", "tokenizer_sha256", "mirrors"),
     BalancingConfig: ("spans",),
 }
 

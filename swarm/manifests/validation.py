@@ -118,10 +118,16 @@ def manifest_from_dict(raw: Any) -> Manifest:
         heldout_fraction=d.number("heldout_fraction", minimum=0.001, maximum=0.5),
         shards=d.integer("shards", minimum=1, maximum=100_000),
         index_sha256=_sha256(d, "index_sha256"),
+        mirrors=_mirrors(d),
         tokenizer=_file_name(d, "tokenizer"),
         tokenizer_sha256=_sha256(d, "tokenizer_sha256"),
     )
     d.no_unknown()
+    if data.mirrors and not data.index_sha256:
+        raise ManifestError(
+            "manifest field 'data.mirrors': mirrors hold a prepared folder, pinned by 'data.index_sha256'; a raw "
+            "source has none (prepare it with swarm-data, then swarm-init --data)"
+        )
     if bool(data.tokenizer) != bool(data.tokenizer_sha256):
         raise ManifestError(
             "manifest fields 'data.tokenizer' and 'data.tokenizer_sha256': give both (a tokenizer file and its "
@@ -293,3 +299,11 @@ def _parse_stages(s: Fields, depth: int) -> tuple[tuple[int, int], ...]:
             f"manifest field 'stages.layers': the stages cover layers [0, {expected_start}) but model.depth is {depth}"
         )
     return tuple(ranges)
+
+
+def _mirrors(d: Fields) -> tuple[str, ...]:
+    """More places with the same prepared folder: at most 16 strings of at most 1,000 characters."""
+    values = d.array("mirrors", "URLs or paths")
+    if len(values) > 16 or not all(isinstance(v, str) and 0 < len(v.strip()) <= 1000 for v in values):
+        raise ManifestError("manifest field 'data.mirrors': must be a list of at most 16 URLs or paths")
+    return tuple(values)

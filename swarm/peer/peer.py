@@ -25,7 +25,11 @@ from swarm.client.pinger import Pinger
 from swarm.client.rpc import tokenizer_from_peers
 from swarm.client.trainer import Trainer
 from swarm.dataset import tokenizer_source
-from swarm.dataset.shards import TokenShards, TrainingStream, open_swarm_data
+from swarm.dataset.cache import DEFAULT_CAP, ChunkCache
+from swarm.dataset.fetching import ChunkFetcher, PeerSource
+from swarm.dataset.opening import open_data
+from swarm.dataset.sharing import DataService
+from swarm.dataset.stream import ChunkStream
 from swarm.dataset.tokenizer import Tokenizer
 from swarm.errors import CapacityError, TooSlowToServeError
 from swarm.events import Event, EventKind, OnEvent, ignore
@@ -52,7 +56,8 @@ class TrainingOptions:
 
     enabled: bool = True
     data: str | None = None  # a text file or folder instead of the manifest's data source
-    seed: int | None = None  # of the trainer's data order; None: random
+    data_cache: int = DEFAULT_CAP  # bytes of verified chunks this machine keeps (--data-cache)
+    seed: int | None = None  # of the trainer's data order; None: its peer id's order
     only: bool = False  # train only, serve no stage (--trainer-only)
     check_fraction: float = CHECK_FRACTION  # of microbatches sent twice to catch wrong results (client/checks.py)
 
@@ -80,7 +85,9 @@ class Peer:
         self.trainer: Trainer | None = None
         self.joining = "starting"  # what join() does now, for its progress lines (a join can take minutes)
         self.metrics: MetricsServer | None = None
-        self.data: TokenShards | None = None  # what the trainer reads
+        self.data: ChunkFetcher | None = None  # the chunks the trainer reads (and hands to other peers)
+        self.stream: ChunkStream | None = None  # which of them it reads, and how far the swarm has read
+        self.data_service = DataService(manifest)  # hands this machine's chunks to other peers
 
         self.rebalancer = Rebalancer(self.context, serving, on_switch=on_switch, on_event=on_event)
         self._reachability = ReachabilityService(manifest)
@@ -96,6 +103,7 @@ class Peer:
         peer joining meanwhile). Raises PeerStartError if the metrics address is unusable."""
         context = self.context
         await self._reachability.add_p2p_handlers(context.p2p, namespace=ReachabilityService.NAMESPACE)
+        await self.data_service.add_p2p_handlers(context.p2p, namespace=DataService.NAMESPACE)
         if not self.serving.reachable:
             connector = ReverseConnector(context.p2p, context.view, context.peer_id, CONNECT_PERIOD)
             self._tasks["connector"] = asyncio.create_task(connector.run(self._stop))
@@ -120,11 +128,52 @@ class Peer:
         peer_ids = [peer_id for peer_id in peer_ids if peer_id != context.peer_id]
         return await tokenizer_from_peers(context.p2p, context.manifest, peer_ids)
 
+    async def open_training_data(self, tokenizer: Tokenizer | None) -> None:
+        """The trainer's data, opened and its first chunk fetched and verified: a peer that cannot get its data
+        says so (DataError) before it takes over a stage. Its chunks are handed to other peers from then on."""
+        context = self.context
+        cache = ChunkCache(cap_bytes=self.training.data_cache)
+        peers = PeerSource(
+            context.p2p,
+            context.manifest,
+            holders=lambda chunk: self.stream.holders(chunk) if self.stream is not None else [],
+            anyone=self._data_peers,
+        )
+        await self.refresh_data_peers()
+        self.data = await open_data(context.manifest, tokenizer, cache, peers, self.training.data)
+        self.data_service.holdings = self.data.holdings
+        self.stream = ChunkStream(
+            self.data,
+            context.peer_id,
+            context.manifest.swarm_id,
+            context.dht,
+            seed=self.training.seed or 0,
+            announce_period=context.manifest.network.announce_period,
+        )
+        await self.stream.first_chunk()
+
+    async def refresh_data_peers(self) -> None:
+        """The peers that may hold the data's index: trainers that read it, initial peers, stage peers."""
+        peer_ids = [address.rsplit("/p2p/", 1)[1] for address in self.context.manifest.initial_peers]
+        try:
+            stages = await self.context.view.all_stages(force=True)
+            peer_ids += [a.peer_id for announcements in stages for a in announcements]
+        except Exception as e:  # a DHT timeout: the initial peers will do
+            logger.debug(f"reading the stage peers failed: {e!r}")
+        self._known_peers = [p for p in dict.fromkeys(peer_ids) if p != self.context.peer_id]
+
+    def _data_peers(self) -> list[str]:
+        readers = self.stream.readers() if self.stream is not None else []
+        return list(dict.fromkeys([*readers, *getattr(self, "_known_peers", [])]))
+
     async def join(self) -> None:
         """Choose a stage, take over its state and serve it; then keep balancing, and train if asked to. A
         trainer-only peer just trains."""
         self.joining = "getting the swarm's tokenizer"
         tokenizer = await self.get_tokenizer()
+        if self.training.enabled:
+            self.joining = "getting the swarm's training data (its index and first chunk)"
+            await self.open_training_data(tokenizer)
         if not self.training.only:
             self.joining = "measuring this machine and taking over a stage's state"
             # a CPU that trains and was not pinned to a stage takes the role it can fill (swarm/capacity/role.py)
@@ -145,9 +194,6 @@ class Peer:
         if not self.training.enabled:
             return
         context = self.context
-        self.joining = "preparing the training data"
-        self.data = await asyncio.to_thread(open_swarm_data, context.manifest, tokenizer, self.training.data)
-        stream = TrainingStream(self.data, context.peer_id, seed=self.training.seed or 0)
         self.trainer = Trainer(
             context.manifest,
             context.dht,
@@ -161,7 +207,7 @@ class Peer:
             position=context.position,
             check_fraction=self.training.check_fraction,
         )
-        self._tasks["training"] = asyncio.create_task(self.trainer.train(stream, self._stop))
+        self._tasks["training"] = asyncio.create_task(self.trainer.train(self.stream, self._stop))
 
     def info(self) -> PeerInfo:
         """What the metrics say about this peer itself."""
@@ -264,6 +310,8 @@ class Peer:
             if name in self._tasks:
                 self._tasks[name].cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if self.stream is not None:
+            await self.stream.close()
         await self.rebalancer.shutdown()
         await self._reachability.shutdown()
         try:

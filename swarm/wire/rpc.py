@@ -21,6 +21,7 @@ from hivemind.p2p.servicer import StubBase
 from hivemind.proto import runtime_pb2
 
 TOKENIZER_CHUNK_BYTES = 2 * 1024 * 1024  # of rpc_tokenizer replies (hivemind's unary messages stop at 4 MiB)
+DATA_PIECE_BYTES = 2 * 1024 * 1024  # of rpc_piece replies: a data chunk or index travels in pieces of this size
 
 Request, Reply = runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse
 
@@ -101,6 +102,18 @@ class StageRPC(_Service):
     async def rpc_manifest(self, request: Request, context: P2PContext) -> Reply:
         """The swarm's manifest as JSON, for a peer that joins by this peer's address (not in a private swarm)."""
         raise _declared("rpc_manifest")
+
+
+class DataRPC(_Service):
+    """What every peer that holds training data answers: a piece of a chunk (or of the data's index) it holds,
+    named by its SHA-256 (swarm/dataset/sharing.py)."""
+
+    SERVICE = "DataService"
+    NAMESPACE = "swarm.data"
+
+    async def rpc_piece(self, request: Request, context: P2PContext) -> Reply:
+        """`length` bytes (at most DATA_PIECE_BYTES) from `offset` of the file whose SHA-256 is `sha256`."""
+        raise _declared("rpc_piece")
 
 
 class ReachabilityRPC(_Service):

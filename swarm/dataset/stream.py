@@ -1,0 +1,281 @@
+"""What a trainer reads: windows of the chunks it chooses (reading_order.py), fetched verified (fetching.py), one or
+two chunks ahead of the one it trains on, while it tells the swarm how far it has read (progress.py).
+
+`ChunkStream.next_batch` hands out microbatches. When a chunk is done, the trainer marks it finished, chooses the
+next chunk by what the swarm has read, and starts fetching the ones after it. A chunk that cannot be fetched (every
+place failed) is avoided for a while and another is chosen; if nothing new can be fetched at all, the trainer
+re-reads a chunk it holds (counted as a duplicate) rather than stop training. Its place is kept on disk after every
+few batches, so a restarted trainer with the same identity resumes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from hivemind import DHT
+
+from swarm.dataset.fetching import ChunkFetcher
+from swarm.dataset.progress import ReaderPlace, ReaderRecord, fetch_reader_records, store_reader_record
+from swarm.dataset.reading_order import choose_chunk, epoch_coverage, from_bitmap, to_bitmap, window_starts
+from swarm.errors import ChunkError, DataError
+
+logger = logging.getLogger(__name__)
+
+PREFETCH = 2  # chunks fetched ahead of the one being read
+AVOID_FOR = 60.0  # seconds a chunk that could not be fetched is not chosen again
+SAVE_PERIOD = 5.0  # seconds between two saves of the place on disk
+NOTHING_WAIT = 10.0  # seconds between two tries when no chunk can be had at all
+
+
+@dataclass
+class Reading:
+    """The chunk being read: its number, tokens, the order of its windows and how many are done."""
+
+    chunk: int
+    tokens: np.ndarray
+    starts: np.ndarray
+    done: int
+
+
+class ChunkStream:
+    """A trainer's reading of the data `fetcher` gets; `dht` and `swarm_id` (optional) share its progress."""
+
+    def __init__(
+        self,
+        fetcher: ChunkFetcher,
+        peer_id: str,
+        swarm_id: str,
+        dht: DHT | None = None,
+        seed: int = 0,
+        announce_period: float = 5.0,
+    ):
+        self.fetcher, self.index = fetcher, fetcher.index
+        self.peer_id, self.swarm_id, self.dht = peer_id, swarm_id, dht
+        self.reader = peer_id if not seed else f"{peer_id}/{seed}"  # whose order of chunks and windows
+        self.count = len(self.index.chunks)
+        if self.count == 0:
+            raise DataError("the training data has no train chunks: prepare more data")
+        self.announce_period = announce_period
+        self.place_path = ReaderPlace.path(swarm_id, self.index.sha256, self.reader)
+        self.place = ReaderPlace.load(self.place_path, self.count)
+        self.epoch = self.place.epoch
+        self.mine = set(self.place.finished)  # finished by this trainer in this epoch
+        self.swarm = set()  # finished by others in this epoch, as their records say
+        self.taken: set[int] = set()  # read or fetched by others now
+        self.records: list[ReaderRecord] = []
+        self.avoid: dict[int, float] = {}
+        self.queue: list[tuple[int, int]] = [(chunk, done) for chunk, done in self.place.reading]
+        self.current: Reading | None = None
+        self.window = 0
+        self._seen_at = 0.0
+        self._saved_at = 0.0
+        self._background: asyncio.Task | None = None
+        self.first_look = True  # the epoch is checked against the swarm's at the first look
+
+    # ------------------------------------------------------------------------------------------- batches
+
+    async def next_batch(self, batch_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs [batch_size, length] and their next-token targets, as int64."""
+        window = length + 1
+        if window != self.window:
+            self.window, self.current = window, None
+        rows = []
+        while len(rows) < batch_size:
+            if self.current is None or self.current.done >= len(self.current.starts):
+                await self._next_chunk()
+            reading = self.current
+            start = int(reading.starts[reading.done])
+            rows.append(np.asarray(reading.tokens[start : start + window]))
+            reading.done += 1
+        self.place.tokens += batch_size * window
+        self._housekeeping()
+        tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return tokens[:, :-1], tokens[:, 1:]
+
+    async def first_chunk(self) -> None:
+        """Fetch the first chunk this trainer will read, now: a peer that cannot get its data says so before it
+        takes over a stage (DataError with the reason)."""
+        await self._look(force=True)
+        chunk, _ = self._upcoming()[0]
+        try:
+            await self.fetcher.get(self.index.chunks[chunk])
+        except ChunkError as e:
+            raise DataError(
+                f"{e}. This peer cannot get the swarm's training data: check the data's URL, your network and disk, "
+                "or run with --no-trainer to serve a stage only"
+            ) from None
+
+    # ------------------------------------------------------------------------------------------- choosing
+
+    def _finished(self) -> set[int]:
+        return self.mine | self.swarm
+
+    def _upcoming(self) -> list[tuple[int, int]]:
+        """The queue filled up to 1 + PREFETCH chunks (chunk, windows already read), moving to the next epoch when
+        this one has nothing left that is not finished or taken."""
+        now = time.monotonic()
+        avoid = {chunk for chunk, until in self.avoid.items() if until > now}
+        while len(self.queue) < 1 + PREFETCH:
+            queued = {chunk for chunk, _ in self.queue}
+            current = {self.current.chunk} if self.current is not None else set()
+            chunk = choose_chunk(
+                self.index.sha256,
+                self.epoch,
+                self.count,
+                self.reader,
+                self._finished() | current,
+                self.taken | queued,
+                avoid,
+            )
+            if chunk is not None:
+                self.queue.append((chunk, 0))
+                continue
+            everything_else = choose_chunk(
+                self.index.sha256, self.epoch, self.count, self.reader, self._finished() | current, self.taken | queued
+            )
+            if everything_else is not None or self.queue:
+                break  # what is left cannot be fetched now (or is queued already): no new epoch for that
+            self._new_epoch()
+        if not self.queue:  # nothing new can be fetched: read again what this machine holds
+            held = sorted(self.fetcher.held_numbers())
+            if held:
+                self.queue.append((held[int(np.random.default_rng().integers(len(held)))], 0))
+        return self.queue
+
+    def _new_epoch(self) -> None:
+        self.epoch += 1
+        self.mine, self.swarm, self.taken = set(), set(), set()
+        logger.info(f"data: epoch {self.epoch} begins (every chunk of the last one was read or is being read)")
+
+    async def _next_chunk(self) -> None:
+        if self.current is not None:
+            self._finish(self.current.chunk)
+            self.current = None
+        await self._look()
+        while True:
+            upcoming = self._upcoming()
+            if not upcoming:
+                logger.warning(
+                    f"data: no chunk can be fetched now and none is held here; trying again in {NOTHING_WAIT:g} s"
+                )
+                await asyncio.sleep(NOTHING_WAIT)
+                await self._look(force=True)
+                continue
+            chunk, done = upcoming.pop(0)
+            try:
+                tokens = await self.fetcher.get(self.index.chunks[chunk])
+            except ChunkError as e:
+                self.avoid[chunk] = time.monotonic() + AVOID_FOR
+                logger.warning(f"data: {e}; reading another chunk")
+                continue
+            self.fetcher.cache.pin(self.index.chunks[chunk].sha256)
+            starts = window_starts(self.index.sha256, self.epoch, chunk, self.reader, len(tokens), self.window)
+            self.current = Reading(chunk, tokens, starts, min(done, len(starts)))
+            for following, _ in self.queue[:PREFETCH]:
+                self.fetcher.prefetch(self.index.chunks[following])
+            if len(starts) == 0:  # a chunk smaller than one window (the last one): nothing to read in it
+                self._finish(chunk)
+                self.current = None
+                continue
+            return
+
+    def _finish(self, chunk: int) -> None:
+        if chunk in self.swarm or chunk in self.mine:
+            self.place.duplicates += 1
+        self.mine.add(chunk)
+        self.place.chunks_read += 1
+        self.fetcher.cache.unpin(self.index.chunks[chunk].sha256)
+        self._save()
+
+    # ------------------------------------------------------------------------------------------- the swarm
+
+    async def _look(self, force: bool = False) -> None:
+        """Read the other trainers' records (at most every announce period, unless forced) and publish ours."""
+        if self.dht is None or (not force and time.monotonic() - self._seen_at < self.announce_period):
+            return
+        self._seen_at = time.monotonic()
+        try:
+            records = await fetch_reader_records(self.dht, self.swarm_id, self.index.sha256, self.count)
+        except Exception as e:  # a DHT timeout: read on with what is known
+            logger.debug(f"data: reading the swarm's progress failed: {e!r}")
+            return
+        self.records = [record for record in records if record.peer_id != self.peer_id]
+        if self.first_look and self.records:  # a new or returning trainer joins the epoch the swarm reads
+            swarm_epoch = min(record.epoch for record in self.records)
+            if swarm_epoch > self.epoch:
+                self.epoch, self.mine, self.queue = swarm_epoch, set(), []
+        self.first_look = False
+        self.swarm, self.taken = set(), set()
+        for record in self.records:
+            if record.epoch == self.epoch:
+                self.swarm |= from_bitmap(record.finished, self.count)
+                self.taken |= {chunk for chunk, _ in record.reading}
+        # a queued chunk another trainer has begun since: leave it to them
+        self.queue = [(chunk, done) for chunk, done in self.queue if chunk not in self.taken or done > 0]
+        await self._publish()
+
+    def record(self) -> ReaderRecord:
+        reading = ([(self.current.chunk, self.current.done)] if self.current is not None else []) + self.queue
+        cache = self.fetcher.cache
+        return ReaderRecord(
+            peer_id=self.peer_id,
+            data=self.index.sha256,
+            epoch=self.epoch,
+            finished=to_bitmap(self._finished(), self.count),
+            held=to_bitmap(self.fetcher.held_numbers(), self.count),
+            reading=tuple(reading[:8]),
+            tokens=self.place.tokens,
+            chunks_read=self.place.chunks_read,
+            duplicates=self.place.duplicates,
+            cache_bytes=cache.used_bytes,
+            cache_cap=cache.cap_bytes,
+            bytes_fetched=self.fetcher.stats.downloaded,
+        )
+
+    async def _publish(self) -> None:
+        try:
+            await store_reader_record(self.dht, self.swarm_id, self.record())
+        except Exception as e:
+            logger.debug(f"data: publishing this trainer's progress failed: {e!r}")
+
+    def holders(self, chunk: int) -> list[str]:
+        """Peers whose records say they hold train chunk `chunk` (for the fetcher's peer source)."""
+        return [record.peer_id for record in self.records if chunk in from_bitmap(record.held, self.count)]
+
+    def readers(self) -> list[str]:
+        return [record.peer_id for record in self.records]
+
+    def coverage(self) -> float:
+        """The fraction of this epoch's chunks the swarm has read, as far as this trainer knows."""
+        reading = {chunk for record in self.records if record.epoch == self.epoch for chunk, _ in record.reading}
+        return epoch_coverage(self._finished(), reading, self.count)
+
+    # ------------------------------------------------------------------------------------------- housekeeping
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now - self._saved_at >= SAVE_PERIOD:
+            self._save()
+        if self.dht is not None and now - self._seen_at >= self.announce_period:
+            if self._background is None or self._background.done():
+                self._background = asyncio.ensure_future(self._look())
+
+    def _save(self) -> None:
+        self._saved_at = time.monotonic()
+        self.place.epoch = self.epoch
+        self.place.finished = sorted(self.mine)
+        reading = [(self.current.chunk, self.current.done)] if self.current is not None else []
+        self.place.reading = [list(item) for item in reading + [q for q in self.queue if q[1] > 0]]
+        self.place.save(self.place_path)
+
+    async def close(self) -> None:
+        """Keep the place and stop the background look."""
+        self._save()
+        if self._background is not None:
+            self._background.cancel()
+            await asyncio.gather(self._background, return_exceptions=True)
