@@ -45,7 +45,11 @@ examples:
   swarm-init my-swarm --width 256 --depth 6 --heads 8 --context-length 256 --stages 3
       explicit model settings (the rest from the tiny preset)
   swarm-init my-llama --preset llama-150m --data prepared/ --tokenizer prepared/tokenizer.json
-      OpenDiLoCo's 150M Llama in bfloat16 on data that `swarm-data prepare` tokenized
+      OpenDiLoCo's 150M Llama in bfloat16 on data that `swarm-data prepare` tokenized; publish the manifest and
+      prepared/ side by side on a web server and volunteers fetch the chunks they read
+  swarm-init my-web --preset llama-150m --data https://example.org/web-corpus/ --tokenizer tokenizer.json
+      data published elsewhere (also hf://datasets/USER/REPO/FOLDER or s3://BUCKET/PREFIX): its index is read and
+      pinned by hash now
   swarm-init my-llama --preset llama-tiny --data notes/ --train-tokenizer 4096
       a tiny Llama with a BPE of 4096 ids trained here on the text files under notes/ (no download)
   swarm-init my-finetune --from-pretrained ./TinyLlama-1.1B --data prepared/
@@ -159,8 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data",
         default=None,
         metavar="SOURCE",
-        help="'stdlib' (Python's standard library, default) or a text file or folder that every peer has at "
-        "this path (a peer can override it with swarm-peer --data)",
+        help="a folder that `swarm-data prepare` wrote, published anywhere (a path next to the manifest, an "
+        "https:// URL, hf://datasets/USER/REPO/FOLDER, s3://BUCKET/PREFIX): volunteers fetch its chunks as they "
+        "read them, verified; or 'stdlib' (default), or raw text every peer has at this path",
     )
     training.add_argument(
         "--tokenizer",

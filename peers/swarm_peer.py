@@ -359,6 +359,8 @@ def print_progress(snapshot: PeerSnapshot, as_json: bool, refused_records: int =
         if trainer_stats is not None:
             status.update(trainer_stats.to_dict())
         status["refused_records"] = refused_records
+        if snapshot.data is not None:
+            status["data"] = snapshot.data
         print(json.dumps(status), flush=True)
         return
     if stats is None:
@@ -389,6 +391,15 @@ def print_progress(snapshot: PeerSnapshot, as_json: bool, refused_records: int =
         if trainer_stats.unserved_stages:
             waiting = ", ".join(map(str, trainer_stats.unserved_stages))
             line += f" | waiting for a peer to serve stage {waiting}"
+    if snapshot.data is not None:
+        data = snapshot.data
+        fetched = sum(size for kind, size in data["bytes_from"].items() if kind != "folder")
+        line += (
+            f" | data: epoch {data['epoch']} {100 * data['epoch_read']:.1f}% read by {data['readers']} trainers, "
+            f"{data['chunks_read']} chunks here ({data['duplicates']} twice), {fetched / 2**20:.0f} MiB fetched"
+        )
+        if data["download_rate"]:
+            line += f" at {data['download_rate'] * 8 / 1e6:.1f} Mbit/s"
     print(line, flush=True)
 
 

@@ -104,15 +104,17 @@ class ChunkFetcher:
         chunk = self._by_sha.get(sha256)
         if chunk is None:
             return None
-        if sha256 in self._verified:
-            for location in self.locations:
-                if (path := location.local_path(chunk)) is not None:
-                    return path
+        for location in self.locations:  # a folder on this machine (the asker verifies what it gets, as always)
+            if (path := location.local_path(chunk)) is not None:
+                return path
         return self.cache.path(sha256) if self.cache.has(sha256) else None
 
     def held_numbers(self) -> set[int]:
-        """The train chunks this machine holds, verified."""
-        held = self.cache.held() | self._verified
+        """The train chunks this machine holds: in its cache (verified), or in a folder it reads in place."""
+        folders = [location for location in self.locations if location.kind == "folder"]
+        if folders and all(folders[0].local_path(chunk) is not None for chunk in self.index.chunks[:1]):
+            return {chunk.number for chunk in self.index.chunks if folders[0].local_path(chunk) is not None}
+        held = self.cache.held()
         return {chunk.number for chunk in self.index.chunks if chunk.sha256 in held}
 
     # ------------------------------------------------------------------------------ getting a chunk

@@ -178,7 +178,7 @@ class ChunkStream:
             self.current = Reading(chunk, tokens, starts, min(done, len(starts)))
             for following, _ in self.queue[:PREFETCH]:
                 self.fetcher.prefetch(self.index.chunks[following])
-            if len(starts) == 0:  # a chunk smaller than one window (the last one): nothing to read in it
+            if self.current.done >= len(starts):  # smaller than one window, or read to its end before a restart
                 self._finish(chunk)
                 self.current = None
                 continue
@@ -254,6 +254,25 @@ class ChunkStream:
         """The fraction of this epoch's chunks the swarm has read, as far as this trainer knows."""
         reading = {chunk for record in self.records if record.epoch == self.epoch for chunk, _ in record.reading}
         return epoch_coverage(self._finished(), reading, self.count)
+
+    def stats(self) -> dict:
+        """This trainer's reading and fetching, for its status line and metrics."""
+        fetched = self.fetcher.stats
+        return {
+            "epoch": self.epoch,
+            "epoch_read": round(self.coverage(), 4),
+            "chunk": self.current.chunk if self.current is not None else None,
+            "chunks": self.count,
+            "chunks_read": self.place.chunks_read,
+            "duplicates": self.place.duplicates,
+            "tokens_read": self.place.tokens,
+            "bytes_from": dict(fetched.bytes_from),
+            "refused": dict(fetched.refused),
+            "download_rate": round(fetched.rate()),
+            "cache_bytes": self.fetcher.cache.used_bytes,
+            "cache_cap": self.fetcher.cache.cap_bytes,
+            "readers": len(self.records) + 1,
+        }
 
     # ------------------------------------------------------------------------------------------- housekeeping
 

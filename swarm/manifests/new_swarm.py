@@ -6,7 +6,6 @@ part: files are read and the tokenizer written next to the manifest; nothing is 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,9 +13,11 @@ from typing import Any
 
 from swarm.dataset.corpus import index_sha256
 from swarm.dataset.documents import training_texts
+from swarm.dataset.index import parse_index
+from swarm.dataset.locations import is_url, location_of
 from swarm.dataset.shards import prepared_index
 from swarm.dataset.tokenizer import TOKENIZER_FILE, Tokenizer, byte_tokenizer, load_tokenizer, train_tokenizer
-from swarm.errors import ManifestError
+from swarm.errors import ChunkError, DataError, ManifestError
 from swarm.files import atomic_write
 from swarm.hf import pretrained as pretrained_model
 
@@ -68,9 +69,21 @@ def swarm_sources(
         result.pretrained = {"path": _relative(source, folder), "sha256": pretrained_model.weights_sha256(source)}
         if (source / TOKENIZER_FILE).is_file():
             tokenizer = str(source / TOKENIZER_FILE)
-    index = prepared_index(data_source) if data_source is not None else None
-    if index is not None:
+    published = data_source is not None and is_url(data_source)
+    index = prepared_index(data_source) if data_source is not None and not published else None
+    recorded: str | None = None  # the tokenizer the prepared data was tokenized with
+    if published:  # a prepared folder at a URL: its index is read (within a deadline) and pinned
+        try:
+            raw = location_of(data_source, "").read_index()
+        except ChunkError as e:
+            raise DataError(f"cannot read the data's index at {data_source}: {e}; check the URL") from None
+        parsed = parse_index(raw, data_source)
+        result.data["index_sha256"], recorded = parsed.sha256, parsed.tokenizer_sha256
+    elif index is not None:
         result.data["index_sha256"] = index_sha256(index)
+        # the folder's place relative to the manifest: publish the two side by side and volunteers find it
+        result.data["source"] = _relative(index.parent, folder)
+        recorded = parse_index(index.read_bytes(), str(index)).tokenizer_sha256
         if tokenizer is None and train_tokenizer_size is None and (index.parent / TOKENIZER_FILE).is_file():
             tokenizer = str(index.parent / TOKENIZER_FILE)  # the tokenizer the data was prepared with
     if tokenizer is not None:
@@ -92,21 +105,17 @@ def swarm_sources(
                 "(the tokenizer's size is taken) or give a larger one"
             )
         result.model.setdefault("vocab_size", result.tokenizer.vocab_size)
-    if index is not None:
-        _check_index_tokenizer(index, result.tokenizer)
+    if recorded is not None:
+        _check_index_tokenizer(data_source, recorded, result.tokenizer or byte_tokenizer())
     return result
 
 
-def _check_index_tokenizer(index: Path, tokenizer: Tokenizer) -> None:
-    try:
-        recorded = json.loads(index.read_text(encoding="utf-8")).get("tokenizer_sha256", "")
-    except (OSError, ValueError, AttributeError):
-        raise ManifestError(f"{index} is not a readable index of prepared data; prepare the data again") from None
+def _check_index_tokenizer(where: str, recorded: str, tokenizer: Tokenizer) -> None:
     if recorded != tokenizer.sha256:
         prepared = f"the tokenizer {recorded[:16]}..." if recorded else "the byte vocabulary"
         used = f"the tokenizer {tokenizer.sha256[:16]}..." if tokenizer.sha256 else "the byte vocabulary"
         raise ManifestError(
-            f"the data in {index.parent} was prepared with {prepared}, but the swarm would use {used}; give the "
+            f"the data in {where} was prepared with {prepared}, but the swarm would use {used}; give the "
             "tokenizer the data was prepared with (--tokenizer), or prepare the data again with this one"
         )
 

@@ -232,6 +232,7 @@ class Peer:
             self.context.traffic,
             self.rebalancer.span,
             stages,
+            self.stream.stats() if self.stream is not None else None,
         )
 
     async def refused_records(self) -> int | None:

@@ -119,6 +119,7 @@ class PeerSnapshot:
     traffic: Traffic  # a copy: the figures of this moment
     span: tuple[int, int] | None = None  # the stages [start, end) it serves (`stage` is the first one's)
     stages: tuple[StageStats, ...] = ()  # every stage of the span, first to last
+    data: dict | None = None  # its trainer's reading and fetching (swarm/dataset/stream.py, ChunkStream.stats)
 
     @classmethod
     def of(
@@ -129,8 +130,9 @@ class PeerSnapshot:
         traffic: Traffic,
         span: tuple[int, int] | None = None,
         stages: tuple[StageStats, ...] = (),
+        data: dict | None = None,
     ) -> PeerSnapshot:
-        return cls(stage, trainer, moves, replace(traffic), span, stages)
+        return cls(stage, trainer, moves, replace(traffic), span, stages, data)
 
     @property
     def state(self) -> PeerState:
