@@ -88,7 +88,11 @@ def test_prepare_a_folder_of_byte_tokens(folder, tmp_path):
         assert (tmp_path / "out" / entry["file"]).stat().st_size == entry["tokens"] == entry["size"]
     assert not [f for f in (tmp_path / "out").iterdir() if f.name.endswith(".tmp")]
     prepare_corpus(str(source), tmp_path / "out", byte_tokenizer(), chunk_tokens=10**6)  # again, one chunk now
-    assert sorted(f.name for f in (tmp_path / "out").iterdir()) == ["chunk-00000.bin", "heldout-00000.bin", "index.json"]
+    assert sorted(f.name for f in (tmp_path / "out").iterdir()) == [
+        "chunk-00000.bin",
+        "heldout-00000.bin",
+        "index.json",
+    ]
 
 
 def test_bpe_split_is_by_document_name_and_disjoint(folder, tmp_path, bpe):
