@@ -199,7 +199,41 @@ def render(args: argparse.Namespace, document: dict[str, Any]) -> Group:
         f"({training['tokens_per_second']:.0f} tokens/s), recent loss {loss}, "
         f"{_count(training['tokens_trained'])} tokens trained so far"
     )
-    return Group(header, verdict, stage_table(document), peers_table(document), contributors_table(document), progress)
+    tables = (stage_table(document), peers_table(document), contributors_table(document))
+    return Group(header, verdict, *tables, progress, data_table(document))
+
+
+def data_table(document: dict[str, Any]) -> Group | Text:
+    """The swarm's reading of its data, and each trainer's (swarm/watch/data_progress.py)."""
+    data = document.get("data")
+    if data is None:
+        return Text("data: the trainers' reading could not be read from the DHT")
+    if not data["readers"]:
+        return Text("data: no trainer has said what it reads yet")
+    others = f"; {data['other_readers']} more read other data" if data["other_readers"] else ""
+    summary = Text(  # Text(): the data's name comes from the network
+        f"data {data['data'][:12]}: epoch {data['epoch']}, {data['epoch_read']:.1%} of it read "
+        f"({data['chunks_finished']} of {data['chunks']} chunks finished, {data['chunks_reading']} being read); "
+        f"{_count(data['tokens_read'])} tokens read by {data['readers']} trainers, {data['duplicates']} chunks read "
+        f"twice, {_count(data['bytes_fetched'])}B fetched{others}"
+    )
+    table = Table(title="trainers' reading", title_justify="left")
+    numbers = ("epoch", "chunk", "windows", "tokens", "chunks read", "read twice", "fetched")
+    for column in ("trainer", *numbers, "cache"):
+        table.add_column(column, justify="right" if column in numbers else "left")
+    for t in data["trainers"]:
+        table.add_row(
+            Text(t["short_id"]),
+            str(t["epoch"]),
+            "-" if t["chunk"] is None else str(t["chunk"]),
+            str(t["windows"]),
+            _count(t["tokens_read"]),
+            str(t["chunks_read"]),
+            str(t["duplicates"]),
+            f"{_count(t['bytes_fetched'])}B",
+            f"{_count(t['cache_bytes'])}B of {_count(t['cache_cap'])}B" if t["cache_cap"] else "-",
+        )
+    return Group(summary, table)
 
 
 def contributors_table(document: dict[str, Any]) -> Table:

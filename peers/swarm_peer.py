@@ -25,6 +25,7 @@ from rich.text import Text
 from peers import runtime
 from peers.gpu_peers import run_gpu_peers
 from peers.swarm_peer_args import parse_args
+from swarm.dataset.stream import describe_reading
 from swarm.dht import joining, node
 from swarm.dht.records import announceable
 from swarm.errors import PeerStartError, SwarmError
@@ -128,6 +129,7 @@ def run_check(args: argparse.Namespace) -> int:
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         trainer=args.trainer,
         data=args.data,
+        data_cache=args.data_cache,
     )
     started = time.monotonic()
 
@@ -392,14 +394,7 @@ def print_progress(snapshot: PeerSnapshot, as_json: bool, refused_records: int =
             waiting = ", ".join(map(str, trainer_stats.unserved_stages))
             line += f" | waiting for a peer to serve stage {waiting}"
     if snapshot.data is not None:
-        data = snapshot.data
-        fetched = sum(size for kind, size in data["bytes_from"].items() if kind != "folder")
-        line += (
-            f" | data: epoch {data['epoch']} {100 * data['epoch_read']:.1f}% read by {data['readers']} trainers, "
-            f"{data['chunks_read']} chunks here ({data['duplicates']} twice), {fetched / 2**20:.0f} MiB fetched"
-        )
-        if data["download_rate"]:
-            line += f" at {data['download_rate'] * 8 / 1e6:.1f} Mbit/s"
+        line += f" | data: {describe_reading(snapshot.data)}"
     print(line, flush=True)
 
 

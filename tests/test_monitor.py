@@ -118,7 +118,7 @@ def test_the_monitor_of_a_live_swarm_in_a_real_browser(start_peer, write_manifes
         # --- the API: peer-status' document, a history with a loss, Prometheus text, /healthz
         state = wait_until(
             lambda: (s := get_json(url + "api/v1/state"))["training"]["loss"] is not None
-            and s["health"]["healthy"] and s,
+            and s["health"]["healthy"] and (s.get("data") or {}).get("readers") and s,
             90, "a healthy swarm with a loss",
         )  # fmt: skip
         assert state["monitor"]["status"] == "healthy" and state["swarm"]["name"] == "test-swarm"
@@ -159,6 +159,7 @@ def test_the_monitor_of_a_live_swarm_in_a_real_browser(start_peer, write_manifes
         assert driver.execute_script("return document.querySelectorAll('#stage-list .stage-row').length") == 2
         check_spans_and_memory(driver, state)
         assert driver.find_element("id", "status").text == "healthy"
+        assert driver.find_element("id", "data-read").text.endswith("%")  # of the epoch alice's trainer reads
 
         def points(plot: str, kind: str = "scatter") -> int:
             layer = ".barlayer .point" if kind == "bar" else ".scatterlayer .point"

@@ -244,7 +244,7 @@ def test_trainer_survives_sigkill_of_a_replica(start_peer, write_manifest):
             assert time.monotonic() < deadline, f"both replicas should serve before the kill: {served()}"
             time.sleep(0.5)
 
-        assert "training on 0.1M tokens in 4 shards" in first.output(), first.tail()  # its own file, tokenized
+        assert "training on 0.1M tokens in 4 chunks" in first.output(), first.tail()  # its own file, tokenized
         victim.kill()  # SIGKILL to the peer, its DHT process and its p2pd daemon
         killed_at = time.monotonic()
         samples_at_kill = first.status_lines()[-1]["trainer_samples"]

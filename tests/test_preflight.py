@@ -20,6 +20,8 @@ from conftest import ROOT, tiny_manifest_dict
 from peers.processes import free_ports
 from swarm.capacity.budget import usable_budget
 from swarm.capacity.costs import MemorySettings
+from swarm.dataset.corpus import index_sha256, prepare_corpus
+from swarm.dataset.tokenizer import byte_tokenizer
 from swarm.manifests.validation import manifest_from_dict
 from swarm.preflight.checks import Blocks, Check, ExitCode, Status, exit_code, memory_check, no_cuda_reason
 from swarm.preflight.run import ORDER
@@ -241,6 +243,31 @@ def test_check_with_a_wrong_manifest_url_cannot_join(tmp_path):
     manifest = check_named(document, "manifest")
     assert code == 2 and manifest["status"] == "fail"
     assert "but the URL says 0123456789abcdef" in manifest["detail"], manifest
+
+
+@pytest.mark.integration
+def test_check_fetches_the_published_data_and_holds_it_to_data_cache(tmp_path):
+    """The data rows through the program (their cases: tests/test_preflight_data.py): the index and a chunk from a
+    real web server next to the manifest, and --data-cache reaching the disk row (no initial peers: exit 2 anyway)."""
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "doc.txt").write_text(" ".join(f"w{k % 89}" for k in range(3000)))
+    prepare_corpus(str(text), tmp_path / "prepared", byte_tokenizer(), chunk_tokens=4096)
+    data = {"source": "prepared", "index_sha256": index_sha256(tmp_path / "prepared")}
+    (tmp_path / "swarm.json").write_text(json.dumps(tiny_manifest_dict(data=data)))
+    server = ManifestServer(tmp_path)
+    try:
+        _, document, progress, _ = run_check(server.url("swarm.json"), "--data-cache", "6KiB")
+    finally:
+        server.close()
+    found = statuses(document)
+    assert list(found) == list(ORDER) and found["data_index"] == "pass", document
+    assert (
+        found["data_chunk"] in ("pass", "warn") and "SHA-256 verified" in check_named(document, "data_chunk")["detail"]
+    )
+    disk = check_named(document, "data_disk")
+    assert disk["status"] == "fail" and "--data-cache 6.0 KiB cannot hold two chunks" in disk["detail"], disk
+    assert "checking the training data's source" in progress
 
 
 # ------------------------------------------------------------------------- the same verdicts at a real start

@@ -244,9 +244,17 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder, ca
     code, doc = wait_for_document(
         capsys,
         str(path),
-        lambda code, doc: code == HEALTHY and doc["training"]["loss"] is not None and doc["training"]["trainers"] == 1,
+        lambda code, doc: (
+            code == HEALTHY
+            and doc["training"]["loss"] is not None
+            and doc["training"]["trainers"] == 1
+            and (doc["data"] or {}).get("readers") == 1
+        ),
     )
     assert code == HEALTHY, doc
+    # alice's trainer says what it reads (a raw source: the data its records name)
+    (reader,) = doc["data"]["trainers"]
+    assert reader["peer_id"] == alice.peer_id() and doc["data"]["chunks"] > 0 and len(doc["data"]["data"]) == 64
     names = {p["public_name"]: p for p in doc["peers"]}
     assert set(names) == {"alice", "bob"} and all(p["status"] == "online" for p in names.values())
     assert names["alice"]["stage"] == 1 and names["bob"]["stage"] == 0
@@ -263,7 +271,8 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder, ca
         # the program itself: the rich tables (piped, as a script would read them)
         code, out, err = runs.result(runs.start("--join", str(path)))
         assert code == HEALTHY, err
-        for text in ("test-swarm", manifest.swarm_id, "healthy", "alice", "bob", alice.peer_id()[-8:], "training:"):
+        for text in ("test-swarm", manifest.swarm_id, "healthy", "alice", "bob", alice.peer_id()[-8:], "training:",
+                     "chunks finished"):  # fmt: skip
             assert text in out, (text, out)
 
         # one peer in detail, a peer nobody is

@@ -1,9 +1,16 @@
-"""Training data, from a source to the batches a trainer reads.
+"""Training data, from a source to the batches a trainer reads, wherever the swarm's data is published.
 
-- documents.py: the documents of a source ("stdlib", text files, .jsonl lines, parquet rows) and which are held out.
-- corpus.py: tokenizing a corpus once into memory-mapped token shards and their index (swarm-data prepare, the cache).
-- shards.py: reading prepared shards (TokenShards), each trainer's order (TrainingStream), held-out batches.
-- tokenizer.py: the byte vocabulary or a Hugging Face tokenizer.json (loaded, or a byte-level BPE trained here).
-- tokenizer_source.py: where a peer finds its swarm's tokenizer (its cache, next to the manifest, its URL); asking the
-  peers for it is swarm/client/rpc.py's (tokenizer_from_peers).
+- documents.py, remote_documents.py: the documents of a source (text files, .jsonl lines, parquet rows) on this
+  machine or at URLs (streamed), and which are held out.
+- corpus.py: tokenizing a corpus once into fixed-size token chunks and their index (swarm-data prepare, the cache).
+- index.py: a prepared corpus's index, read and checked (its hash is the data's name in the manifest).
+- locations.py: where a prepared folder is published (a folder, http(s), fsspec URLs) and downloading from there.
+- cache.py: this machine's capped cache of verified chunks (least recently used go first).
+- sharing.py: peers handing chunks (and the index) to each other over the swarm's RPC.
+- fetching.py: a chunk onto this machine, verified: cache, locations, then peers.
+- reading_order.py, progress.py: which chunk a trainer reads next so the swarm reads its corpus once an epoch;
+  the trainers' progress records in the DHT and a trainer's place on its own disk.
+- stream.py: what a trainer reads (ChunkStream); opening.py: the swarm's data opened for a peer.
+- shards.py: a prepared folder read whole from this machine (TokenShards; benchmarks and tools), held-out batches.
+- tokenizer.py, tokenizer_source.py: the byte vocabulary or a tokenizer.json, and where a peer finds the swarm's.
 """

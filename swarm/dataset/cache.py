@@ -143,11 +143,21 @@ class ChunkCache:
                 )
 
     def commit(self, part: Path, sha256: str) -> Path:
-        """Put a verified download in place; its path."""
+        """Put a verified download in place (it is pinned: its reader holds it); its path. Downloads that made
+        room at once may overshoot the cap together: the least recently used others go now."""
         final = self.path(sha256)
         os.replace(part, final)
         with self._lock:
             self._sizes[sha256] = final.stat().st_size
+            self._pinned[sha256] = self._pinned.get(sha256, 0)  # not evicted by the line below
+        try:
+            self.make_room(0)
+        except DataError:
+            pass  # every other chunk is in use: the cap is exceeded until one is released
+        finally:
+            with self._lock:
+                if not self._pinned.get(sha256):
+                    self._pinned.pop(sha256, None)
         return final
 
     def put(self, data: bytes, sha256: str) -> Path:

@@ -327,7 +327,10 @@ def prepare_corpus(
         "heldout_fraction": heldout_fraction,
         "documents": result.documents,
         "skipped": reading.skipped,
-        "chunk_tokens": chunk_tokens if chunk_count is None else max((c["tokens"] for c in chunks), default=1),
+        # with chunk_count, the held-out part is one chunk: the size bound is the largest chunk of either part
+        "chunk_tokens": chunk_tokens
+        if chunk_count is None
+        else max((c["tokens"] for c in [*chunks, *result.heldout]), default=1),
         "chunks": chunks,
         "heldout": {"chunks": result.heldout, "text_bytes": heldout_bytes},
     }

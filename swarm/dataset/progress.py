@@ -22,6 +22,7 @@ from typing import Any
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from swarm.dataset.index import MAX_CHUNKS
 from swarm.dht.records import DHT_TIMEOUT, MAX_COUNT, PEER_ID_PATTERN, _entries, data_key
 from swarm.files import atomic_write, cache_root
 
@@ -37,6 +38,7 @@ class ReaderRecord:
 
     peer_id: str
     data: str  # the index's SHA-256
+    chunks: int  # train chunks of that index (so that a reader without the index can read the bitmaps)
     epoch: int
     finished: bytes  # bitmap of the train chunks finished in `epoch`, by the swarm as this trainer knows it
     held: bytes  # bitmap of the train chunks in its cache
@@ -56,11 +58,16 @@ class ReaderRecord:
         return record
 
 
-def parse_reader_record(subkey: Any, value: Any, expiration: float, count: int) -> ReaderRecord | None:
-    """One record read from the DHT, checked (for data of `count` train chunks); None if it is malformed."""
+def parse_reader_record(subkey: Any, value: Any, expiration: float, count: int | None) -> ReaderRecord | None:
+    """One record read from the DHT, checked (for data of `count` train chunks; None: the count the record
+    states, up to MAX_CHUNKS); None if it is malformed."""
     try:
         if not isinstance(value, dict) or not isinstance(subkey, str) or not PEER_ID_PATTERN.fullmatch(subkey):
             return None
+        chunks = value["chunks"]
+        if not _is_count(chunks) or not 0 < chunks <= MAX_CHUNKS or (count is not None and chunks != count):
+            return None
+        count = chunks
         size = (count + 7) // 8
         finished, held = value["finished"], value["held"]
         if not isinstance(finished, bytes) or not isinstance(held, bytes) or len(finished) > size or len(held) > size:
@@ -79,7 +86,15 @@ def parse_reader_record(subkey: Any, value: Any, expiration: float, count: int) 
         if value["peer_id"] != subkey or not isinstance(value["data"], str) or len(value["data"]) != 64:
             return None
         return ReaderRecord(
-            subkey, value["data"], value["epoch"], finished, held, tuple(pairs), expiration=expiration, **counters
+            subkey,
+            value["data"],
+            chunks,
+            value["epoch"],
+            finished,
+            held,
+            tuple(pairs),
+            expiration=expiration,
+            **counters,
         )
     except (KeyError, TypeError):
         return None
@@ -103,11 +118,12 @@ async def store_reader_record(dht: DHT, swarm_id: str, record: ReaderRecord) -> 
     return await asyncio.wait_for(future, DHT_TIMEOUT)
 
 
-async def fetch_reader_records(dht: DHT, swarm_id: str, data: str, count: int) -> list[ReaderRecord]:
-    """Every valid, unexpired record of trainers reading the data whose index hashes to `data`."""
+async def fetch_reader_records(dht: DHT, swarm_id: str, data: str | None, count: int | None) -> list[ReaderRecord]:
+    """Every valid, unexpired record of trainers reading the data whose index hashes to `data` (None: any data;
+    `count` None: each record's own count of chunks)."""
     found = await asyncio.wait_for(dht.get(data_key(swarm_id), latest=True, return_future=True), DHT_TIMEOUT)
     records = [parse_reader_record(subkey, item.value, item.expiration_time, count) for subkey, item in _entries(found)]
-    return [record for record in records if record is not None and record.data == data]
+    return [record for record in records if record is not None and data in (None, record.data)]
 
 
 # ------------------------------------------------------------------------------------------------ on this disk

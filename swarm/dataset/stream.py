@@ -61,6 +61,9 @@ class ChunkStream:
         if self.count == 0:
             raise DataError("the training data has no train chunks: prepare more data")
         self.announce_period = announce_period
+        # chunks fetched ahead: as many as the cache holds beside the one read (at least two chunks fit: cache.py)
+        largest = max(chunk.size for chunk in self.index.chunks)
+        self.prefetch = max(0, min(PREFETCH, fetcher.cache.cap_bytes // max(largest, 1) - 1))
         self.place_path = ReaderPlace.path(swarm_id, self.index.sha256, self.reader)
         self.place = ReaderPlace.load(self.place_path, self.count)
         self.epoch = self.place.epoch
@@ -116,11 +119,11 @@ class ChunkStream:
         return self.mine | self.swarm
 
     def _upcoming(self) -> list[tuple[int, int]]:
-        """The queue filled up to 1 + PREFETCH chunks (chunk, windows already read), moving to the next epoch when
+        """The queue filled up to 1 + self.prefetch chunks (chunk, windows already read), moving to the next epoch when
         this one has nothing left that is not finished or taken."""
         now = time.monotonic()
         avoid = {chunk for chunk, until in self.avoid.items() if until > now}
-        while len(self.queue) < 1 + PREFETCH:
+        while len(self.queue) < 1 + self.prefetch:
             queued = {chunk for chunk, _ in self.queue}
             current = {self.current.chunk} if self.current is not None else set()
             chunk = choose_chunk(
@@ -176,7 +179,7 @@ class ChunkStream:
             self.fetcher.cache.pin(self.index.chunks[chunk].sha256)
             starts = window_starts(self.index.sha256, self.epoch, chunk, self.reader, len(tokens), self.window)
             self.current = Reading(chunk, tokens, starts, min(done, len(starts)))
-            for following, _ in self.queue[:PREFETCH]:
+            for following, _ in self.queue[: self.prefetch]:
                 self.fetcher.prefetch(self.index.chunks[following])
             if self.current.done >= len(starts):  # smaller than one window, or read to its end before a restart
                 self._finish(chunk)
@@ -225,6 +228,7 @@ class ChunkStream:
         return ReaderRecord(
             peer_id=self.peer_id,
             data=self.index.sha256,
+            chunks=self.count,
             epoch=self.epoch,
             finished=to_bitmap(self._finished(), self.count),
             held=to_bitmap(self.fetcher.held_numbers(), self.count),
@@ -298,3 +302,17 @@ class ChunkStream:
         if self._background is not None:
             self._background.cancel()
             await asyncio.gather(self._background, return_exceptions=True)
+
+
+def describe_reading(stats: dict) -> str:
+    """A trainer's reading (ChunkStream.stats) as the text of its status line."""
+    fetched = sum(size for kind, size in stats["bytes_from"].items() if kind != "folder")
+    text = (
+        f"epoch {stats['epoch']} {100 * stats['epoch_read']:.1f}% read by {stats['readers']} trainers, "
+        f"{stats['chunks_read']} chunks here ({stats['duplicates']} twice), {fetched / 2**20:.0f} MiB fetched"
+    )
+    if stats["download_rate"]:
+        text += f" at {stats['download_rate'] * 8 / 1e6:.1f} Mbit/s"
+    if stats["refused"]:
+        text += f", refused {sum(stats['refused'].values())} copies"
+    return text

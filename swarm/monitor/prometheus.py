@@ -61,6 +61,19 @@ def swarm_metrics(document: dict[str, Any], reachable: bool, samples_recorded: i
         if health["balance_efficiency"] is not None:
             figures.append(("swarm_balance_efficiency", "Bottleneck throughput over the best possible with these peers",
                             health["balance_efficiency"]))  # fmt: skip
+        data = document.get("data")  # the trainers' reading (swarm/watch/data_progress.py); None: not read
+        if data is not None and data["readers"]:
+            figures += [
+                ("swarm_data_epoch", "The epoch of its data the swarm reads (the highest a trainer states)",
+                 data["epoch"]),
+                ("swarm_data_epoch_read_ratio", "Fraction of that epoch's chunks read (those being read count half)",
+                 data["epoch_read"]),
+                ("swarm_data_readers", "Trainers that say what they read", data["readers"]),
+                ("swarm_data_tokens_read", "Tokens the trainers have read since they started", data["tokens_read"]),
+                ("swarm_data_duplicate_chunks", "Chunks the trainers read again in an epoch that had them",
+                 data["duplicates"]),
+                ("swarm_data_fetched_bytes", "Chunk bytes the trainers downloaded", data["bytes_fetched"]),
+            ]  # fmt: skip
         families += [_gauge(name, doc, base, [({}, value)]) for name, doc, value in figures]
         stages = document["stages"]
         for name, doc, key in (

@@ -3,9 +3,11 @@
 It reads the manifest the way swarm-peer does (swarm/dht/joining.py), joins the DHT as a client that listens
 on nothing and writes no record (as peer-status does), pings the initial peers, reads the swarm's records, asks
 peers to dial a short-lived node of its own back (swarm/server/reachability.py), probes the bandwidth to a stage
-peer or two, then runs a test kernel and sizes what fits in memory and on disk. It serves nothing, announces
-nothing, trains nothing and writes no file. The DHT starts first, before CUDA, as in swarm-peer: hivemind forks
-its process.
+peer or two, checks the training data's source (swarm/preflight/data_probes.py: its index, one chunk, room for
+the data cache), then runs a test kernel and sizes what fits in memory and on disk. It serves nothing, announces
+nothing, trains nothing and writes no lasting file (the data chunk goes to a temporary folder, removed after). The
+DHT starts first, before CUDA, as in swarm-peer: hivemind forks its process; the data's reads start threads after
+it stopped.
 """
 
 from __future__ import annotations
@@ -21,19 +23,31 @@ from hivemind.utils import get_dht_time
 
 from swarm.capacity.budget import usable_budget
 from swarm.capacity.costs import MemorySettings
+from swarm.dataset.cache import DEFAULT_CAP
 from swarm.dht import joining, node
 from swarm.dht.records import Announcement, announcement_lifetime
 from swarm.errors import SwarmError
 from swarm.manifests.manifest import Manifest
-from swarm.preflight import checks, probes, swarm_checks
+from swarm.preflight import checks, data_checks, probes, swarm_checks
 from swarm.preflight.checks import Check, ExitCode, skipped
+from swarm.preflight.data_probes import probe_data
 from swarm.preflight.swarm_checks import PeerAnswer
 from swarm.server.checkpoint import default_checkpoint_dir
 from swarm.server.reachability import Verdict, check_reachability
 
 DHT_START_TIMEOUT = 10.0  # seconds for the DHT to bootstrap through the initial peers
 REACHABILITY_DEADLINE = 20.0  # seconds for the dial-back check (a helper answers within 15)
-ORDER = ("software", "memory", "disk", "manifest", "initial_peers", "reachability", "bandwidth", "clock")
+ORDER = (
+    "software",
+    "memory",
+    "disk",
+    "manifest",
+    "initial_peers",
+    "reachability",
+    "bandwidth",
+    "clock",
+    *data_checks.NAMES,
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,7 @@ class PreflightOptions:
     checkpoint_dir: Path | None = None
     trainer: bool = True
     data: str | None = None
+    data_cache: int = DEFAULT_CAP  # --data-cache, bytes
 
 
 @dataclass
@@ -100,6 +115,7 @@ def run_preflight(options: PreflightOptions, progress: Callable[[str], None]) ->
     source = "handed out by the peer --join names" if through_peer else f"from {options.join}"
     results["manifest"] = swarm_checks.manifest_check(manifest, found.manifest_error, source)
     results.update(verdicts_on_swarm(found, options))
+    results.update(data_rows(manifest, options, progress))
     progress("running a test kernel on the device")
     probe = probes.probe_device(options.device)
     results["software"] = checks.software_check(platform.python_version(), torch.__version__, probe)
@@ -200,6 +216,18 @@ async def reachability(initial: list[str], options: PreflightOptions, manifest: 
         return await asyncio.wait_for(check, REACHABILITY_DEADLINE)
     except TimeoutError:
         return Verdict(None, f"no verdict within {REACHABILITY_DEADLINE:g} s")
+
+
+def data_rows(
+    manifest: Manifest | None, options: PreflightOptions, progress: Callable[[str], None]
+) -> dict[str, Check]:
+    """The checks of the data a trainer of this machine would read (swarm/preflight/data_probes.py), within their
+    deadline; skipped for a peer that does not train."""
+    if manifest is None or not options.trainer:
+        reason = "no manifest" if manifest is None else "--no-trainer"
+        return {name: skipped(name, reason) for name in data_checks.NAMES}
+    progress("checking the training data's source")
+    return data_checks.data_rows(probe_data(manifest, options.data, options.data_cache, progress))
 
 
 def verdicts_on_swarm(found: SwarmFindings, options: PreflightOptions) -> dict[str, Check]:

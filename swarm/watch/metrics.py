@@ -336,7 +336,41 @@ class PeerCollector(Collector):
             f.counter(
                 "swarm_errors_total", errors_doc, trainer_stats.failed_microbatches, kind="failed_microbatch", stage=""
             )
+        if snapshot.data is not None:
+            _data_metrics(f, snapshot.data)
         return list(f.families.values())
+
+
+def _data_metrics(f: _Families, data: dict) -> None:
+    """The trainer's reading of the swarm's data: swarm/dataset/stream.py's ChunkStream.stats()."""
+    f.gauge("swarm_data_epoch", "The epoch of the swarm's data this peer's trainer reads", data["epoch"])
+    f.gauge(
+        "swarm_data_epoch_read_ratio",
+        "Fraction of the epoch's chunks the swarm has read, as this trainer knows it (chunks being read count half)",
+        data["epoch_read"],
+    )
+    f.gauge(
+        "swarm_data_readers", "Trainers reading the data, as this one knows them (itself included)", data["readers"]
+    )
+    f.counter(
+        "swarm_data_tokens_read_total", "Tokens this trainer has read (kept across restarts)", data["tokens_read"]
+    )
+    f.counter(
+        "swarm_data_chunks_read_total", "Data chunks this trainer finished (kept across restarts)", data["chunks_read"]
+    )
+    f.counter(
+        "swarm_data_duplicate_chunks_total",
+        "Data chunks this trainer finished that the swarm had read already in that epoch",
+        data["duplicates"],
+    )
+    fetched_doc = "Data chunk bytes this peer got, by where from (web, store, folder: read in place, peer)"
+    for source, size in sorted(data["bytes_from"].items()):
+        f.counter("swarm_data_fetched_bytes_total", fetched_doc, size, source=source)
+    refused_doc = "Data chunks this peer refused or failed to fetch, by reason (wrong hash, failed)"
+    for reason, count in sorted(data["refused"].items()):
+        f.counter("swarm_data_refused_chunks_total", refused_doc, count, reason=reason)
+    f.gauge("swarm_data_cache_bytes", "Bytes of verified data chunks in this peer's cache", data["cache_bytes"])
+    f.gauge("swarm_data_cache_capacity_bytes", "The cap of this peer's data cache (--data-cache)", data["cache_cap"])
 
 
 class MetricsServer:

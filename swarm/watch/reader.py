@@ -1,21 +1,35 @@
 """Reading a swarm from outside, as `peer-status` and `swarm-monitor` do: records from the DHT, then a document.
 
 A `SwarmReader` remembers the peers it saw before, so that a peer whose records vanished is still shown for a
-while, as "gone", instead of silently disappearing from the table.
+while, as "gone", instead of silently disappearing from the table. It reads the trainers' data progress too
+(`<swarm id>.data`, swarm/dataset/progress.py), summarised under "data" (swarm/watch/data_progress.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from swarm.dht.records import Announcement, TrainerReport, fetch_announcements, fetch_trainer_reports
+from swarm.dataset.progress import ReaderRecord, parse_reader_record
+from swarm.dht.records import (
+    DHT_TIMEOUT,
+    Announcement,
+    TrainerReport,
+    _entries,
+    data_key,
+    fetch_announcements,
+    fetch_trainer_reports,
+)
 from swarm.errors import SwarmError
 from swarm.manifests.manifest import Manifest
+from swarm.watch.data_progress import data_progress
 from swarm.watch.status import swarm_health
+
+logger = logging.getLogger(__name__)
 
 GONE_AFTER = 600.0  # a peer that vanished is shown as "gone" for this many seconds
 
@@ -32,6 +46,20 @@ async def read_records(dht: DHT, manifest: Manifest) -> tuple[list[list[Announce
     return list(results[:-1]), results[-1]
 
 
+async def read_reader_records(dht: DHT, manifest: Manifest) -> list[ReaderRecord] | None:
+    """The trainers' reader records, of any data (each checked against its own count of chunks; the summary keeps
+    those of the manifest's data, or of the most common data for a raw source); None if the DHT does not answer:
+    the rest of the read stands without them."""
+    try:
+        key = data_key(manifest.swarm_id)
+        found = await asyncio.wait_for(dht.get(key, latest=True, return_future=True), DHT_TIMEOUT)
+    except Exception as e:
+        logger.debug(f"reading the trainers' data progress failed: {e!r}")
+        return None
+    records = [parse_reader_record(subkey, item.value, item.expiration_time, None) for subkey, item in _entries(found)]
+    return [record for record in records if record is not None]
+
+
 class SwarmReader:
     """The swarm as last read, with the peers that vanished since shown as "gone" for GONE_AFTER seconds."""
 
@@ -41,9 +69,14 @@ class SwarmReader:
 
     async def read(self, dht: DHT) -> tuple[dict[str, Any], list[TrainerReport]]:
         """(the swarm's document, the trainers' reports it was made from); SwarmError if the DHT does not answer."""
-        stages, reports = await read_records(dht, self.manifest)
+        (stages, reports), readers = await asyncio.gather(
+            read_records(dht, self.manifest), read_reader_records(dht, self.manifest)
+        )
         now = get_dht_time()
         document = swarm_health(self.manifest, stages, reports, now, manifest_source=self.source)
+        # the swarm's reading of its data; None: the trainers' records could not be read
+        data = self.manifest.data.index_sha256  # "": a raw source, whose index each trainer makes itself
+        document["data"] = data_progress(readers, data) if readers is not None else None
         self.add_gone_peers(document, now)
         return document, reports
 

@@ -111,6 +111,21 @@ function renderHealth(state) {
   document.title = `Swarm ${swarm.name}: ${monitor.status}`;
 }
 
+// the swarm's reading of its data (swarm/watch/data_progress.py): how much of its epoch is read, tokens read; a
+// document without it (the read of the trainers' records failed) or with no reader says so
+function renderData(state) {
+  const data = state.data;
+  if (!data || !data.readers) {
+    setText("data-read", "-");
+    setText("data-detail", data ? "no trainer says what it reads yet" : "the trainers' reading could not be read");
+    return;
+  }
+  setText("data-read", `${(data.epoch_read * 100).toFixed(1)}%`);
+  setText("data-detail", `of epoch ${data.epoch} (${data.chunks_finished} of ${data.chunks} chunks) · ` +
+    `${count(data.tokens_read)} tokens read by ${data.readers} trainer${data.readers === 1 ? "" : "s"}, ` +
+    `${data.duplicates} chunks read twice`);
+}
+
 // ------------------------------------------------------------------------------------------------ stages
 
 function renderStages(state) {
@@ -264,6 +279,7 @@ async function refresh() {
       getJSON("/api/v1/state"), getJSON(`/api/v1/history?window=${windowName}`), getJSON("/api/v1/leaderboard"),
     ]);
     renderHealth(state);
+    renderData(state);
     renderCoverage(state);
     renderStages(state);
     renderPeers(state);
