@@ -168,6 +168,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "read them, verified; or 'stdlib' (default), or raw text every peer has at this path",
     )
     training.add_argument(
+        "--mirror",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="another place with the same prepared folder (repeat for more): tried after --data's, in order",
+    )
+    training.add_argument(
         "--tokenizer",
         default=None,
         metavar="PATH",
@@ -255,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             data_source=args.data,
             initial_peers=args.initial_peers,
             secret_file=secret_path.name if secret_path is not None else None,
-            data=sources.data,
+            data={**sources.data, **({"mirrors": args.mirror} if args.mirror else {})},
             pretrained=sources.pretrained,
         )
         if secret_path is not None:

@@ -134,9 +134,12 @@ def test_chunks_come_verified_from_the_web_resuming_a_broken_download(prepared, 
         assert bytes(tokens) == (prepared / second.file).read_bytes()
 
     asyncio.run(run())
+    heldout = asyncio.run(fetcher.heldout())  # fetched the same way
+    assert bytes(heldout) == b"".join((prepared / chunk.file).read_bytes() for chunk in index.heldout)
     ranges = [r for name, r in behaviour.requests if name == second.file]
     assert ranges == [None, f"bytes={second.size // 2}-"]
-    assert fetcher.stats.bytes_from["web"] == first.size + second.size  # nothing downloaded twice
+    heldout_size = sum(chunk.size for chunk in index.heldout)
+    assert fetcher.stats.bytes_from["web"] == first.size + second.size + heldout_size  # nothing downloaded twice
     assert cache.has(first.sha256) and cache.has(second.sha256)
 
 
@@ -385,3 +388,25 @@ def test_a_restarted_reader_resumes_its_place(prepared, tmp_path, monkeypatch):
     seen, more, again = asyncio.run(run())
     assert not set(more) & set(seen)  # no window read twice
     assert again.place.duplicates == 0
+
+
+def test_swarm_init_pins_data_published_at_a_url(prepared, web, tmp_path, capsys):
+    from peers.swarm_init import main
+
+    url, _ = web
+    out = tmp_path / "swarm.json"
+    assert (
+        main(["web", "--preset", "tiny", "--data", url, "--mirror", "https://mirror.example/d/", "--out", str(out)])
+        == 0
+    )
+    data = json.loads(out.read_text())["data"]
+    assert data["index_sha256"] == index_of(prepared).sha256 and data["source"] == url
+    assert data["mirrors"] == ["https://mirror.example/d/"]
+    without = tmp_path / "plain.json"
+    assert main(["web", "--preset", "tiny", "--data", url, "--out", str(without)]) == 0
+    from swarm.manifests.loading import load_manifest
+
+    assert load_manifest(out).swarm_id == load_manifest(without).swarm_id  # mirrors are places, not the swarm
+    capsys.readouterr()
+    assert main(["web", "--preset", "tiny", "--data", "http://127.0.0.1:9/d/", "--out", str(tmp_path / "x.json")]) == 2
+    assert "cannot read the data's index" in capsys.readouterr().err

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 BACKOFF_FIRST, BACKOFF_MAX = 10.0, 300.0  # seconds a failed location is skipped: doubling from the first
 PEERS_ASKED = 4  # peers asked for one chunk, one after another
 RATE_WINDOW = 10.0  # seconds the download rate is measured over
+PROGRESS_EVERY = 10.0  # seconds between two progress lines of one long download
 
 
 def file_sha256(path: Path) -> str:
@@ -169,6 +170,11 @@ class ChunkFetcher:
         where = "; ".join(errors[-3:]) or "no place holds it (the published locations are skipped after failures)"
         raise ChunkError(f"data chunk {chunk.file} could not be fetched: {where}")
 
+    async def heldout(self) -> np.ndarray:
+        """The held-out part's tokens: every held-out chunk, fetched and verified like the train chunks."""
+        parts = [np.asarray(await self.get(chunk)) for chunk in self.index.heldout]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=self.index.dtype)
+
     async def _verify_in_place(self, path: Path, chunk: Chunk) -> bool:
         try:
             ok = path.stat().st_size == chunk.size and await asyncio.to_thread(file_sha256, path) == chunk.sha256
@@ -183,12 +189,27 @@ class ChunkFetcher:
         return ok
 
     def _download(self, location: Location, chunk: Chunk) -> Path:
-        """In a worker thread: download, verify, keep. ChunkError on any failure of the location."""
+        """In a worker thread: download, verify, keep. ChunkError on any failure of the location. A download that
+        takes long says how far it is every PROGRESS_EVERY seconds (a slow link is not a silent stall)."""
         with self.cache.download_lock(chunk.sha256):
             if self.cache.has(chunk.sha256):  # another process of this machine fetched it meanwhile
                 return self.cache.path(chunk.sha256)
             part = self.cache.part_path(chunk.sha256)
-            location.download(chunk, part, lambda size: self.stats.count(location.kind, size))
+            begin = said = time.monotonic()
+            done = 0
+
+            def on_bytes(size: int) -> None:
+                nonlocal said, done
+                done += size
+                self.stats.count(location.kind, size)
+                if time.monotonic() - said >= PROGRESS_EVERY:
+                    said = time.monotonic()
+                    rate = done * 8 / 1e6 / max(said - begin, 1e-9)
+                    logger.info(
+                        f"data: {chunk.file} from {location.name}: {done:,} of {chunk.size:,} bytes, {rate:.1f} Mbit/s"
+                    )
+
+            location.download(chunk, part, on_bytes)
             if file_sha256(part) != chunk.sha256:
                 remove_quietly(part)
                 self.stats.refused["wrong hash"] += 1
