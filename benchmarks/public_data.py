@@ -142,6 +142,13 @@ def main() -> None:
     parser.add_argument("--trainers", type=int, default=4)
     parser.add_argument("--link", default="50mbit/25ms", help="each trainer's link to the web server (down/delay)")
     parser.add_argument("--seconds", type=float, default=90.0, help="of each swarm run")
+    parser.add_argument(
+        "--reader-rate",
+        type=float,
+        default=150_000,
+        help="tokens/s each reader of part 2 reads (default 150k: a chunk of 1 Mi tokens in 7 s, 7 announce periods "
+        "of 1 s; a GPU trainer at 30k tokens/s reads the same chunk in 35 s, 7 periods of 5 s)",
+    )
     parser.add_argument("--work", default=None, help="keep the corpus here between runs (default: a temporary one)")
     parser.add_argument("--skip-swarm", action="store_true", help="only the reading of an epoch")
     args = parser.parse_args()
@@ -170,7 +177,7 @@ def main() -> None:
         data_urls = [url.replace("swarm.json", "prepared/") for url in urls]
         epoch = asyncio.run(
             read_one_epoch(
-                manifest_from_dict(manifest), data_urls, work / f"readers-{time.time():.0f}", 1, timeout=1800
+                manifest_from_dict(manifest), data_urls, work / f"readers-{time.time():.0f}", 1, args.reader_rate, 1800
             )
         )
         result["epoch_reading"] = epoch

@@ -214,11 +214,11 @@ def data_table(document: dict[str, Any]) -> Group | Text:
     summary = Text(  # Text(): the data's name comes from the network
         f"data {data['data'][:12]}: epoch {data['epoch']}, {data['epoch_read']:.1%} of it read "
         f"({data['chunks_finished']} of {data['chunks']} chunks finished, {data['chunks_reading']} being read); "
-        f"{_count(data['tokens_read'])} tokens read by {data['readers']} trainers, {data['duplicates']} chunks read "
-        f"twice, {_count(data['bytes_fetched'])}B fetched{others}"
+        f"{_count(data['tokens_read'])} tokens read by {data['readers']} trainer{'s' if data['readers'] > 1 else ''}, "
+        f"{data['duplicates']} chunks read twice, {_count(data['bytes_fetched'])}B fetched{others}"
     )
     table = Table(title="trainers' reading", title_justify="left")
-    numbers = ("epoch", "chunk", "windows", "tokens", "chunks read", "read twice", "fetched")
+    numbers = ("epoch", "chunk", "windows", "tokens", "chunks read", "read twice", "fetched", "held")
     for column in ("trainer", *numbers, "cache"):
         table.add_column(column, justify="right" if column in numbers else "left")
     for t in data["trainers"]:
@@ -231,6 +231,7 @@ def data_table(document: dict[str, Any]) -> Group | Text:
             str(t["chunks_read"]),
             str(t["duplicates"]),
             f"{_count(t['bytes_fetched'])}B",
+            str(t["chunks_held"]),  # chunks it can hand to other peers
             f"{_count(t['cache_bytes'])}B of {_count(t['cache_cap'])}B" if t["cache_cap"] else "-",
         )
     return Group(summary, table)

@@ -97,6 +97,7 @@ def test_peer_serves_metrics_while_training(start_peer, write_manifest, tmp_path
     assert value(after, "swarm_stage_compute_throughput_samples_per_second", stage="1") == 1000
     assert value(after, "swarm_stage_outstanding_requests", stage="1") >= 0
     assert value(before, "swarm_trainer_samples_total") > 0
+    assert value(after, "swarm_data_tokens_read_total") > 0 and value(after, "swarm_data_readers") >= 1
     loss = value(after, "swarm_trainer_loss")
     assert math.isfinite(loss) and 0 < loss < 10, loss
     assert value(after, "swarm_trainer_stage_unserved", stage="0") == 0

@@ -187,7 +187,10 @@ def full_disk_error(folder: Path, error: OSError) -> DataError:
             f"the disk of the data cache {folder} is full: free space there, give a smaller --data-cache, or put "
             "the cache on another disk (SWARM_CACHE_DIR)"
         )
-    return DataError(f"cannot write to the data cache {folder}: {error.strerror or error}")
+    return DataError(
+        f"cannot write to the data cache {folder}: {error.strerror or error}; give SWARM_CACHE_DIR a folder this "
+        "user can write, on a disk with room"
+    )
 
 
 def _mib(size: int) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from hivemind.p2p import P2P
 
-from swarm.dataset.cache import ChunkCache
+from swarm.dataset.cache import ChunkCache, full_disk_error
 from swarm.dataset.index import MAX_INDEX_BYTES, Chunk, DataIndex, parse_index
 from swarm.dataset.locations import Location, chunk_deadline, remove_quietly
 from swarm.dataset.sharing import fetch_from_peer
@@ -209,7 +209,10 @@ class ChunkFetcher:
                         f"data: {chunk.file} from {location.name}: {done:,} of {chunk.size:,} bytes, {rate:.1f} Mbit/s"
                     )
 
-            location.download(chunk, part, on_bytes)
+            try:
+                location.download(chunk, part, on_bytes)
+            except OSError as e:  # the part file could not be created or opened: this machine's disk, not the place
+                raise full_disk_error(self.cache.folder, e) from None
             if file_sha256(part) != chunk.sha256:
                 remove_quietly(part)
                 self.stats.refused["wrong hash"] += 1

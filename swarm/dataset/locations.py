@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm import __version__
+from swarm.dataset.cache import full_disk_error
 from swarm.dataset.index import MAX_INDEX_BYTES, Chunk
 from swarm.errors import ChunkError, DataError
 from swarm.manifests.loading import confined
@@ -236,11 +237,9 @@ def _write_body(
                 raise ChunkError(f"{where} sent more than the chunk's {chunk.size:,} bytes: not this chunk")
             try:
                 out.write(piece)
+                out.flush()  # a full disk shows here, not at some later close
             except OSError as e:
-                raise DataError(
-                    f"cannot write the data cache file {part}: {e.strerror or e}; free disk space there, or give "
-                    "a smaller --data-cache, or put the cache on another disk (SWARM_CACHE_DIR)"
-                ) from None
+                raise full_disk_error(part.parent, e) from None
             done += len(piece)
             on_bytes(len(piece))
         out.flush()

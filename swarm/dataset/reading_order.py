@@ -59,6 +59,13 @@ def choose_chunk(
     return best[1] if best is not None else None
 
 
+def keeps_claim(data: str, epoch: int, chunk: int, reader: str, others: list[str]) -> bool:
+    """Whether `reader` keeps a chunk that `others` claim too (they chose it in the same moment): the reader that
+    ranks it first keeps it, and every reader decides the same from the same records."""
+    mine = chunk_rank(data, epoch, chunk, reader)
+    return all((mine, reader) < (chunk_rank(data, epoch, chunk, other), other) for other in others)
+
+
 def window_starts(data: str, epoch: int, chunk: int, reader: str, tokens: int, window: int) -> np.ndarray:
     """The start of each window of `window` tokens in a chunk of `tokens`, in the order `reader` reads them in
     `epoch` (non-overlapping, from an offset that changes with the epoch); empty if the chunk is too small."""

@@ -11,6 +11,7 @@ few batches, so a restarted trainer with the same identity resumes it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -21,15 +22,24 @@ from hivemind import DHT
 
 from swarm.dataset.fetching import ChunkFetcher
 from swarm.dataset.progress import ReaderPlace, ReaderRecord, fetch_reader_records, store_reader_record
-from swarm.dataset.reading_order import choose_chunk, epoch_coverage, from_bitmap, to_bitmap, window_starts
+from swarm.dataset.reading_order import (
+    choose_chunk,
+    epoch_coverage,
+    from_bitmap,
+    keeps_claim,
+    to_bitmap,
+    window_starts,
+)
 from swarm.errors import ChunkError, DataError
 
 logger = logging.getLogger(__name__)
 
-PREFETCH = 2  # chunks fetched ahead of the one being read
+PREFETCH = 2  # chunks fetched ahead of the one being read, at most
+WAITED = 0.5  # seconds of waiting for a chunk fetched ahead that make the reader fetch further ahead
 AVOID_FOR = 60.0  # seconds a chunk that could not be fetched is not chosen again
 SAVE_PERIOD = 5.0  # seconds between two saves of the place on disk
 NOTHING_WAIT = 10.0  # seconds between two tries when no chunk can be had at all
+HISTORY = 100_000  # chunks finished (or left to another trainer) last, kept for benchmarks
 
 
 @dataclass
@@ -63,7 +73,10 @@ class ChunkStream:
         self.announce_period = announce_period
         # chunks fetched ahead: as many as the cache holds beside the one read (at least two chunks fit: cache.py)
         largest = max(chunk.size for chunk in self.index.chunks)
-        self.prefetch = max(0, min(PREFETCH, fetcher.cache.cap_bytes // max(largest, 1) - 1))
+        self.max_prefetch = max(0, min(PREFETCH, fetcher.cache.cap_bytes // max(largest, 1) - 1))
+        # one ahead while that keeps up (a chunk downloads far faster than it is read on a home link); two once
+        # the reader had to wait for a chunk it had fetched ahead
+        self.prefetch = min(1, self.max_prefetch)
         self.place_path = ReaderPlace.path(swarm_id, self.index.sha256, self.reader)
         self.place = ReaderPlace.load(self.place_path, self.count)
         self.epoch = self.place.epoch
@@ -71,6 +84,8 @@ class ChunkStream:
         self.swarm = set()  # finished by others in this epoch, as their records say
         self.taken: set[int] = set()  # read or fetched by others now
         self.records: list[ReaderRecord] = []
+        # (epoch, chunk, windows read, windows in it) of the chunks finished or left to another trainer, last first
+        self.history: collections.deque[tuple[int, int, int, int]] = collections.deque(maxlen=HISTORY)
         self.avoid: dict[int, float] = {}
         self.queue: list[tuple[int, int]] = [(chunk, done) for chunk, done in self.place.reading]
         self.current: Reading | None = None
@@ -78,7 +93,9 @@ class ChunkStream:
         self._seen_at = 0.0
         self._saved_at = 0.0
         self._background: asyncio.Task | None = None
+        self._claiming: asyncio.Future | None = None
         self.first_look = True  # the epoch is checked against the swarm's at the first look
+        self.ahead = 0  # the epoch other trainers have moved on to, if later than this one's
 
     # ------------------------------------------------------------------------------------------- batches
 
@@ -123,6 +140,10 @@ class ChunkStream:
         this one has nothing left that is not finished or taken."""
         now = time.monotonic()
         avoid = {chunk for chunk, until in self.avoid.items() if until > now}
+        if self.ahead > self.epoch:  # read what it took of this epoch, choose nothing new in it, then follow
+            if self.queue:
+                return self.queue
+            self._new_epoch(self.ahead)
         while len(self.queue) < 1 + self.prefetch:
             queued = {chunk for chunk, _ in self.queue}
             current = {self.current.chunk} if self.current is not None else set()
@@ -150,8 +171,8 @@ class ChunkStream:
                 self.queue.append((held[int(np.random.default_rng().integers(len(held)))], 0))
         return self.queue
 
-    def _new_epoch(self) -> None:
-        self.epoch += 1
+    def _new_epoch(self, epoch: int | None = None) -> None:
+        self.epoch = self.epoch + 1 if epoch is None else epoch
         self.mine, self.swarm, self.taken = set(), set(), set()
         logger.info(f"data: epoch {self.epoch} begins (every chunk of the last one was read or is being read)")
 
@@ -170,8 +191,15 @@ class ChunkStream:
                 await self._look(force=True)
                 continue
             chunk, done = upcoming.pop(0)
+            self._claim()
+            asked = time.monotonic()
             try:
                 tokens = await self.fetcher.get(self.index.chunks[chunk])
+                if time.monotonic() - asked > WAITED and self.place.chunks_read and self.prefetch < self.max_prefetch:
+                    self.prefetch += 1
+                    logger.info(
+                        f"data: waited {time.monotonic() - asked:.1f} s for a chunk: fetching {self.prefetch} ahead"
+                    )
             except ChunkError as e:
                 self.avoid[chunk] = time.monotonic() + AVOID_FOR
                 logger.warning(f"data: {e}; reading another chunk")
@@ -190,10 +218,21 @@ class ChunkStream:
     def _finish(self, chunk: int) -> None:
         if chunk in self.swarm or chunk in self.mine:
             self.place.duplicates += 1
+        windows = len(self.current.starts) if self.current is not None else 0
+        self.history.append((self.epoch, chunk, windows, windows))
         self.mine.add(chunk)
         self.place.chunks_read += 1
         self.fetcher.cache.unpin(self.index.chunks[chunk].sha256)
         self._save()
+
+    def _abandon(self) -> None:
+        """Leave the chunk being read to the trainer that has it first (its windows read here were read for
+        nothing more than training: they are not marked finished)."""
+        reading = self.current
+        self.history.append((self.epoch, reading.chunk, reading.done, len(reading.starts)))
+        self.fetcher.cache.unpin(self.index.chunks[reading.chunk].sha256)
+        self.current = None
+        logger.debug(f"data: chunk {reading.chunk} is another trainer's too; reading another")
 
     # ------------------------------------------------------------------------------------------- the swarm
 
@@ -213,13 +252,26 @@ class ChunkStream:
             if swarm_epoch > self.epoch:
                 self.epoch, self.mine, self.queue = swarm_epoch, set(), []
         self.first_look = False
-        self.swarm, self.taken = set(), set()
+        # what the swarm finished in an epoch only grows: merged, never rebuilt (a trainer that moved on to the next
+        # epoch no longer states what it knew of this one)
+        claimants: dict[int, list[str]] = {}
+        later = max((record.epoch for record in self.records), default=self.epoch)
+        if later > self.epoch:  # the others found nothing left in this epoch: follow them once its chunks are read
+            self.ahead = later
         for record in self.records:
             if record.epoch == self.epoch:
                 self.swarm |= from_bitmap(record.finished, self.count)
-                self.taken |= {chunk for chunk, _ in record.reading}
-        # a queued chunk another trainer has begun since: leave it to them
-        self.queue = [(chunk, done) for chunk, done in self.queue if chunk not in self.taken or done > 0]
+                for chunk, _ in record.reading:
+                    claimants.setdefault(chunk, []).append(record.peer_id)
+        self.taken = set(claimants)
+
+        def keep(chunk: int) -> bool:
+            return keeps_claim(self.index.sha256, self.epoch, chunk, self.peer_id, claimants.get(chunk, []))
+
+        # chunks another trainer chose in the same moment, or has finished since: one of the two goes on
+        self.queue = [(chunk, done) for chunk, done in self.queue if keep(chunk) and chunk not in self.swarm]
+        if self.current is not None and (not keep(self.current.chunk) or self.current.chunk in self.swarm):
+            self._abandon()
         await self._publish()
 
     def record(self) -> ReaderRecord:
@@ -241,6 +293,12 @@ class ChunkStream:
             bytes_fetched=self.fetcher.stats.downloaded,
         )
 
+    def _claim(self) -> None:
+        """Tell the swarm now which chunks this trainer takes (not at the next look): fewer trainers choose the
+        same chunk in the same moment."""
+        if self.dht is not None and (self._claiming is None or self._claiming.done()):
+            self._claiming = asyncio.ensure_future(self._publish())
+
     async def _publish(self) -> None:
         try:
             await store_reader_record(self.dht, self.swarm_id, self.record())
@@ -256,7 +314,9 @@ class ChunkStream:
 
     def coverage(self) -> float:
         """The fraction of this epoch's chunks the swarm has read, as far as this trainer knows."""
-        reading = {chunk for record in self.records if record.epoch == self.epoch for chunk, _ in record.reading}
+        reading = {
+            chunk for record in self.records if record.epoch == self.epoch for chunk, done in record.reading if done
+        }
         return epoch_coverage(self._finished(), reading, self.count)
 
     def stats(self) -> dict:
@@ -299,9 +359,10 @@ class ChunkStream:
     async def close(self) -> None:
         """Keep the place and stop the background look."""
         self._save()
-        if self._background is not None:
-            self._background.cancel()
-            await asyncio.gather(self._background, return_exceptions=True)
+        for task in (self._background, self._claiming):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
 
 def describe_reading(stats: dict) -> str:

@@ -40,7 +40,7 @@ class ExitCode(IntEnum):
 
 @dataclass(frozen=True)
 class Check:
-    name: str  # software, memory, disk, manifest, initial_peers, reachability, bandwidth, clock
+    name: str  # software, memory, disk, manifest, initial_peers, reachability, bandwidth, clock, data_*
     status: Status
     detail: str
     remedy: str = ""  # what to do; empty for pass and skip

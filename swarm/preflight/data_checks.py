@@ -94,7 +94,7 @@ def data_index_check(found: DataFindings) -> Check:
             "data_index",
             Status.WARN,
             f"{detail}; but {'; '.join(failed)}"[:1200],
-            "nothing to do while one location answers; tell the swarm's creator which mirror fails",
+            "nothing to do while one location answers; tell the swarm's creator which location fails",
             figures=figures,
         )
     return Check("data_index", Status.PASS, detail, figures=figures)
@@ -102,7 +102,9 @@ def data_index_check(found: DataFindings) -> Check:
 
 def data_chunk_check(found: DataFindings) -> Check:
     if found.raw and not found.error:
-        return skipped("data_chunk", "the data is raw text on this machine: nothing to download")
+        return Check(
+            "data_chunk", Status.PASS, "nothing to download: the trainer tokenizes the raw text on this machine"
+        )
     if found.error:
         return skipped("data_chunk", "the data cannot be used (see data_index)")
     chunk = found.chunk
@@ -172,7 +174,7 @@ def data_disk_check(found: DataFindings) -> Check:
     cap at its start), warn if the disk cannot hold the cap (the cache fills it before the cap is reached). The
     chunks the cache holds already count as room: they are evicted to make it."""
     if found.raw and not found.error:
-        return skipped("data_disk", "raw text: its token cache is counted in the disk row")
+        return Check("data_disk", Status.PASS, "no chunk cache for raw text: its token cache is in the disk row")
     if found.index is None or not found.index.chunks:
         return skipped("data_disk", "no data index, so the chunks' size is not known")
     largest = max(chunk.size for chunk in found.index.chunks)

@@ -4,7 +4,7 @@ reader records (swarm/dataset/progress.py; read from the DHT by swarm/watch/read
 Each trainer's record states its epoch, the chunks of that epoch the swarm has finished as far as it knows (a bitmap
 merged from everyone's), the chunks it reads or fetches now (with the windows read of each) and its counters. The
 swarm's epoch is the highest a record states; how much of it is read is the union of the `finished` bitmaps of the
-records at that epoch, the chunks they read now counting half (as a trainer counts it itself:
+records at that epoch, the chunks they have begun counting half (as a trainer counts it itself:
 swarm/dataset/reading_order.py's `epoch_coverage`). The counters are sums over the live records: what a trainer that
 left had read leaves with it.
 
@@ -46,7 +46,8 @@ def data_progress(records: Iterable[ReaderRecord], data: str = "") -> dict[str, 
     epoch = max((record.epoch for record in mine), default=0)
     current = [record for record in mine if record.epoch == epoch]
     finished = set().union(*(from_bitmap(record.finished, chunks) for record in current))
-    reading = {chunk for record in current for chunk, _ in record.reading if chunk < chunks} - finished
+    # chunks begun (windows read): a chunk only queued or being fetched is not yet being read
+    reading = {chunk for record in current for chunk, done in record.reading if chunk < chunks and done} - finished
     return {
         "data": data,
         "chunks": chunks,

@@ -14,16 +14,8 @@ from typing import Any
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from swarm.dataset.progress import ReaderRecord, parse_reader_record
-from swarm.dht.records import (
-    DHT_TIMEOUT,
-    Announcement,
-    TrainerReport,
-    _entries,
-    data_key,
-    fetch_announcements,
-    fetch_trainer_reports,
-)
+from swarm.dataset.progress import ReaderRecord, fetch_reader_records
+from swarm.dht.records import Announcement, TrainerReport, fetch_announcements, fetch_trainer_reports
 from swarm.errors import SwarmError
 from swarm.manifests.manifest import Manifest
 from swarm.watch.data_progress import data_progress
@@ -51,13 +43,10 @@ async def read_reader_records(dht: DHT, manifest: Manifest) -> list[ReaderRecord
     those of the manifest's data, or of the most common data for a raw source); None if the DHT does not answer:
     the rest of the read stands without them."""
     try:
-        key = data_key(manifest.swarm_id)
-        found = await asyncio.wait_for(dht.get(key, latest=True, return_future=True), DHT_TIMEOUT)
+        return await fetch_reader_records(dht, manifest.swarm_id, None, None)
     except Exception as e:
         logger.debug(f"reading the trainers' data progress failed: {e!r}")
         return None
-    records = [parse_reader_record(subkey, item.value, item.expiration_time, None) for subkey, item in _entries(found)]
-    return [record for record in records if record is not None]
 
 
 class SwarmReader:
