@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -68,8 +70,8 @@ class Quiet(SimpleHTTPRequestHandler):
         pass
 
 
-def web_server(folder: Path) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Quiet, directory=str(folder)))
+def web_server(folder: Path, port: int = 0) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", port), partial(Quiet, directory=str(folder)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -102,6 +104,7 @@ def swarm_run(
             starts.append(time.monotonic())
             trainer_peers.append(processes.start_peer(args, logs / f"trainer{k}.log", cache_dir=logs / f"t{k}"))
         peers += trainer_peers
+        names = ["stage0", "stage1", *(f"trainer{k}" for k in range(trainers))]
         first_microbatch: list[float | None] = [None] * trainers  # seconds from its start to its first sample
         deadline = time.monotonic() + 300
         while None in first_microbatch and time.monotonic() < deadline:
@@ -119,6 +122,7 @@ def swarm_run(
         elapsed = time.monotonic() - begin
         lasts = [p.status_lines()[-1] for p in trainer_peers]
         firsts = [next(s for s in p.status_lines() if s.get("trainer_samples", 0) > 0) for p in trainer_peers]
+        cpu = {name: round(group_cpu_seconds(peer.pgid), 1) for name, peer in zip(names, peers)}
         samples = sum(line["trainer_samples"] - first["trainer_samples"] for line, first in zip(lasts, firsts))
         trained_bytes = [line["trainer_samples"] * (manifest["model"]["context_length"] + 1) for line in lasts]
         downloaded = [sum(v for k, v in line["data"]["bytes_from"].items() if k != "folder") for line in lasts]
@@ -130,9 +134,22 @@ def swarm_run(
             "downloaded_per_trained_byte": [round(d / max(t, 1), 2) for d, t in zip(downloaded, trained_bytes)],
             "bytes_from": [line["data"]["bytes_from"] for line in lasts],
             "duplicates": sum(line["data"]["duplicates"] for line in lasts),
+            "cpu_seconds": cpu,  # of each peer's process group over its whole life
         }
     finally:
         processes.stop_peers(peers)
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) of a process group's members, from /proc."""
+    total = 0
+    for pid in processes.group_members(pgid):
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -151,6 +168,11 @@ def main() -> None:
     )
     parser.add_argument("--work", default=None, help="keep the corpus here between runs (default: a temporary one)")
     parser.add_argument("--skip-swarm", action="store_true", help="only the reading of an epoch")
+    parser.add_argument("--skip-epoch", action="store_true", help="only the swarm runs")
+    parser.add_argument("--published-first", action="store_true", help="run the published swarm before the local one")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="pairs of swarm runs, alternating which goes first (2 cores are noisy)"
+    )
     args = parser.parse_args()
     stop_on_sigterm()
     work = Path(args.work or tempfile.mkdtemp(prefix="public-data-"))
@@ -175,18 +197,41 @@ def main() -> None:
         urls = [f"http://127.0.0.1:{port}/swarm.json" for port in ports]
         (site / "swarm.json").write_text(json.dumps(manifest))
         data_urls = [url.replace("swarm.json", "prepared/") for url in urls]
-        epoch = asyncio.run(
-            read_one_epoch(
-                manifest_from_dict(manifest), data_urls, work / f"readers-{time.time():.0f}", 1, args.reader_rate, 1800
+        if not args.skip_epoch:
+            result["epoch_reading"] = asyncio.run(
+                read_one_epoch(
+                    manifest_from_dict(manifest),
+                    data_urls,
+                    work / f"readers-{time.time():.0f}",
+                    1,
+                    args.reader_rate,
+                    1800,
+                )
             )
-        )
-        result["epoch_reading"] = epoch
-        if not args.skip_swarm:
-            result["local"] = swarm_run(site, manifest, args.trainers, args.seconds, None, server, work)
-            result["published"] = swarm_run(site, manifest, args.trainers, args.seconds, urls, server, work)
-            result["samples_per_second_ratio"] = round(
-                result["published"]["samples_per_second"] / max(result["local"]["samples_per_second"], 1e-9), 3
-            )
+        pairs = []
+        for repeat in range(0 if args.skip_swarm else args.repeats):
+            order = ["published", "local"] if args.published_first != (repeat % 2 == 1) else ["local", "published"]
+            pair = {}
+            for run in order:
+                if run == "published" and repeat:
+                    server.server_close()
+                    server = web_server(site, server.server_address[1])  # the run before shut it down
+                pair[run] = swarm_run(
+                    site, manifest, args.trainers, args.seconds, urls if run == "published" else None, server, work
+                )
+            pairs.append(pair)
+        if pairs:
+            result["local"], result["published"] = pairs[0]["local"], pairs[0]["published"]
+            ratios = [p["published"]["samples_per_second"] / max(p["local"]["samples_per_second"], 1e-9) for p in pairs]
+            result["samples_per_second_ratios"] = [round(r, 3) for r in ratios]
+            result["samples_per_second_ratio"] = round(statistics.median(ratios), 3)
+            result["pairs"] = [
+                {
+                    run: {k: p[run][k] for k in ("samples_per_second", "first_microbatch_s", "failed_microbatches")}
+                    for run in p
+                }
+                for p in pairs
+            ]
     server.server_close()
     print(json.dumps(result), flush=True)
 
