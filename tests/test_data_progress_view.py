@@ -38,7 +38,7 @@ def record(peer_id: str, epoch: int, finished=(), reading=(), held=(), data=DATA
 
 def three_trainers() -> list[ReaderRecord]:
     return [
-        record("peer-b", 1, finished={1, 3}, reading=[(6, 0)], tokens=200, chunks_read=2, bytes_fetched=2000),
+        record("peer-b", 1, finished={1, 3}, reading=[(6, 4), (7, 0)], tokens=200, chunks_read=2, bytes_fetched=2000),
         record(  # its chunk 3 is one B finished: it counts once, and not as half
             "peer-a",
             1,
@@ -58,7 +58,7 @@ def three_trainers() -> list[ReaderRecord]:
 
 def test_the_swarm_reads_the_union_of_the_latest_epoch_and_sums_every_trainer():
     summary = data_progress(three_trainers(), DATA)
-    # epoch 1 (C is still in 0): finished {0, 1, 2, 3}, being read {5, 6} (half each): (4 + 1) / 10
+    # epoch 1 (C is still in 0): finished {0, 1, 2, 3}, begun {5, 6} (half each; 7, only queued, not): (4 + 1) / 10
     assert (summary["epoch"], summary["chunks"], summary["epoch_read"]) == (1, CHUNKS, 0.5)
     assert (summary["chunks_finished"], summary["chunks_reading"]) == (4, 2)
     assert (summary["readers"], summary["other_readers"]) == (3, 0)

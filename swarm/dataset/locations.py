@@ -199,11 +199,19 @@ def _copy_stream(opener, chunk: Chunk, part: Path, on_bytes: OnBytes, where: str
     have = part.stat().st_size if part.exists() else 0
     have = have if have < chunk.size else 0
     try:
-        with opener() as file:
-            file.seek(have)
-            _write_body(file.read, chunk, part, have, on_bytes, where)
+        file = opener()
+        file.seek(have)
     except OSError as e:
         raise ChunkError(f"reading {where} failed: {e.strerror or e}") from None
+
+    def read(size: int) -> bytes:
+        try:
+            return file.read(size)
+        except OSError as e:  # the source's fault, not this machine's disk
+            raise ChunkError(f"reading {where} failed: {e.strerror or e}") from None
+
+    with file:
+        _write_body(read, chunk, part, have, on_bytes, where)
 
 
 def _write_body(
@@ -213,9 +221,13 @@ def _write_body(
     A stall, a body that ends early or one that runs past the size is a ChunkError (what arrived stays in `part`
     for the next try to resume from, unless it ran past the size)."""
     deadline = time.monotonic() + chunk_deadline(chunk.size - have)
-    with open(part, "r+b" if have and part.exists() else "wb") as out:
+    try:
+        out = open(part, "r+b" if have and part.exists() else "wb")
         out.seek(have)
         out.truncate()
+    except OSError as e:
+        raise full_disk_error(part.parent, e) from None
+    with out:
         done = have
         while done < chunk.size:
             if time.monotonic() > deadline:
@@ -224,6 +236,8 @@ def _write_body(
                 )
             try:
                 piece = read(min(PIECE, chunk.size - done + 1))
+            except ChunkError:
+                raise
             except (TimeoutError, OSError) as e:  # a stall: no byte within STALL_LIMIT
                 raise ChunkError(f"{where} stopped sending after {done:,} of {chunk.size:,} bytes ({e})") from None
             except Exception as e:  # http.client.IncompleteRead and the like: the body ended early
