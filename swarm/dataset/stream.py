@@ -50,6 +50,7 @@ class Reading:
     tokens: np.ndarray
     starts: np.ndarray
     done: int
+    prefetched: bool = False  # the chunks after it are being fetched
 
 
 class ChunkStream:
@@ -74,8 +75,8 @@ class ChunkStream:
         # chunks fetched ahead: as many as the cache holds beside the one read (at least two chunks fit: cache.py)
         largest = max(chunk.size for chunk in self.index.chunks)
         self.max_prefetch = max(0, min(PREFETCH, fetcher.cache.cap_bytes // max(largest, 1) - 1))
-        # one ahead while that keeps up (a chunk downloads far faster than it is read on a home link); two once
-        # the reader had to wait for a chunk it had fetched ahead
+        # one ahead while that keeps up (a chunk downloads far faster than it is read on a home link), from the
+        # middle of the current chunk; two, at once, once the reader had to wait for a chunk it had fetched ahead
         self.prefetch = min(1, self.max_prefetch)
         self.place_path = ReaderPlace.path(swarm_id, self.index.sha256, self.reader)
         self.place = ReaderPlace.load(self.place_path, self.count)
@@ -112,6 +113,8 @@ class ChunkStream:
             start = int(reading.starts[reading.done])
             rows.append(np.asarray(reading.tokens[start : start + window]))
             reading.done += 1
+            if not reading.prefetched and reading.done >= len(reading.starts) // 2:
+                self._prefetch()  # by now the others have seen this trainer's claims: no download for nothing
         self.place.tokens += batch_size * window
         self._housekeeping()
         tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
@@ -207,13 +210,20 @@ class ChunkStream:
             self.fetcher.cache.pin(self.index.chunks[chunk].sha256)
             starts = window_starts(self.index.sha256, self.epoch, chunk, self.reader, len(tokens), self.window)
             self.current = Reading(chunk, tokens, starts, min(done, len(starts)))
-            for following, _ in self.queue[: self.prefetch]:
-                self.fetcher.prefetch(self.index.chunks[following])
+            if self.prefetch > 1:  # downloads have been slow: fetch ahead at once
+                self._prefetch()
             if self.current.done >= len(starts):  # smaller than one window, or read to its end before a restart
                 self._finish(chunk)
                 self.current = None
                 continue
             return
+
+    def _prefetch(self) -> None:
+        """Start fetching the chunks queued after the current one (one ahead, two once downloads were slow)."""
+        if self.current is not None:
+            self.current.prefetched = True
+        for following, _ in self.queue[: self.prefetch]:
+            self.fetcher.prefetch(self.index.chunks[following])
 
     def _finish(self, chunk: int) -> None:
         if chunk in self.swarm or chunk in self.mine:

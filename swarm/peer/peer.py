@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 CONNECT_PERIOD = 5.0  # seconds between a peer's looks for peers to connect to, when others cannot dial it
 REFUSED_RECORDS_TIMEOUT = 2.0  # seconds the status line waits for the DHT's count of refused records
 PAUSE_DRAIN_TIMEOUT = 30.0  # seconds a pausing peer waits for the microbatches in flight
+DATA_LOOK_PERIOD = 5.0  # seconds between a trainer's reads of the others' data progress, at least
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,8 @@ class Peer:
             context.manifest.swarm_id,
             context.dht,
             seed=self.training.seed or 0,
-            announce_period=context.manifest.network.announce_period,
+            # a chunk takes minutes to read: its progress need not be as fresh as a stage's announcement
+            announce_period=max(DATA_LOOK_PERIOD, context.manifest.network.announce_period),
         )
         await self.stream.first_chunk()
 
