@@ -233,6 +233,11 @@ class ChunkFetcher:
                 lambda size: self.stats.count("peer", size),
                 chunk_deadline(chunk.size),
             )
+        except ChunkError:
+            self.stats.refused["failed"] += 1
+            remove_quietly(part)
+            raise
+        try:
             if await asyncio.to_thread(file_sha256, part) != chunk.sha256:
                 self.peers.banned.add(peer_id)
                 self.stats.refused["wrong hash"] += 1
@@ -240,14 +245,12 @@ class ChunkFetcher:
                 raise ChunkError(f"peer {peer_id[-8:]} sent bytes whose SHA-256 is not the chunk's")
             self.stats.chunks += 1
             return self.cache.commit(part, chunk.sha256)
-        except ChunkError:
-            self.stats.refused["failed"] += 1
-            raise
         finally:
             remove_quietly(part)
 
     def _failed(self, location: Location, reason: str) -> None:
-        self.stats.refused["failed" if "SHA-256" not in reason else "wrong hash"] += 1
+        if "SHA-256" not in reason:  # a wrong copy was counted where its hash was checked (_download)
+            self.stats.refused["failed"] += 1
         wait = min(BACKOFF_MAX, self._backoff.get(location.name, BACKOFF_FIRST / 2) * 2)
         self._backoff[location.name] = wait
         self._skip_until[location.name] = time.monotonic() + wait

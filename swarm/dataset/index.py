@@ -13,10 +13,15 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from swarm.errors import DataError
+
+if TYPE_CHECKING:
+    from swarm.dataset.tokenizer import Tokenizer
+    from swarm.manifests.manifest import Manifest
 
 TRAIN_PREFIX = "chunk"
 HELDOUT_PREFIX = "heldout"
@@ -164,3 +169,23 @@ def _chunk(entry: object, number: int, heldout: bool, dtype: np.dtype, chunk_tok
     if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
         raise bad(f"chunk {file}: sha256 is not 64 lowercase hex digits")
     return Chunk(number, file, tokens, size, sha256, heldout)
+
+
+def check_fits(index: DataIndex, manifest: Manifest, tokenizer: Tokenizer | None, where: str) -> None:
+    """DataError if the data was tokenized with another tokenizer than the swarm's, or has more ids than the model."""
+    config = manifest.data
+    expected = tokenizer.sha256 if tokenizer is not None else (config.tokenizer_sha256 if config.tokenizer else "")
+    if index.tokenizer_sha256 != expected:
+
+        def name(sha256: str) -> str:
+            return f"the tokenizer {sha256[:16]}..." if sha256 else "the byte vocabulary"
+
+        raise DataError(
+            f"the data at {where} was tokenized with {name(index.tokenizer_sha256)}, but the swarm uses "
+            f"{name(expected)}: prepare it again with the swarm's tokenizer (swarm-data prepare --tokenizer)"
+        )
+    if index.vocab_size > manifest.model.vocab_size:
+        raise DataError(
+            f"the data at {where} has {index.vocab_size} token ids, more than the model's vocabulary of "
+            f"{manifest.model.vocab_size}"
+        )

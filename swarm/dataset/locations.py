@@ -256,7 +256,6 @@ def _write_body(
                 raise full_disk_error(part.parent, e) from None
             done += len(piece)
             on_bytes(len(piece))
-        out.flush()
 
 
 def is_url(text: str) -> bool:

@@ -19,7 +19,7 @@ from swarm.dataset.cache import ChunkCache
 from swarm.dataset.corpus import ensure_prepared
 from swarm.dataset.documents import STDLIB
 from swarm.dataset.fetching import ChunkFetcher, PeerSource, fetch_index
-from swarm.dataset.index import DataIndex
+from swarm.dataset.index import check_fits
 from swarm.dataset.locations import FolderLocation, Location, location_of
 from swarm.dataset.shards import TokenShards, prepared_index
 from swarm.dataset.tokenizer import Tokenizer
@@ -63,23 +63,3 @@ async def open_data(
     check_fits(index, manifest, tokenizer, locations[0].name)
     cache.check_cap(max((chunk.size for chunk in index.chunks), default=0))
     return ChunkFetcher(index, locations, cache, peers)
-
-
-def check_fits(index: DataIndex, manifest: Manifest, tokenizer: Tokenizer | None, where: str) -> None:
-    """DataError if the data was tokenized with another tokenizer than the swarm's, or has more ids than the model."""
-    config = manifest.data
-    expected = tokenizer.sha256 if tokenizer is not None else (config.tokenizer_sha256 if config.tokenizer else "")
-    if index.tokenizer_sha256 != expected:
-
-        def name(sha256: str) -> str:
-            return f"the tokenizer {sha256[:16]}..." if sha256 else "the byte vocabulary"
-
-        raise DataError(
-            f"the data at {where} was tokenized with {name(index.tokenizer_sha256)}, but the swarm uses "
-            f"{name(expected)}: prepare it again with the swarm's tokenizer (swarm-data prepare --tokenizer)"
-        )
-    if index.vocab_size > manifest.model.vocab_size:
-        raise DataError(
-            f"the data at {where} has {index.vocab_size} token ids, more than the model's vocabulary of "
-            f"{manifest.model.vocab_size}"
-        )

@@ -25,7 +25,7 @@ import torch
 
 from swarm.dataset.corpus import INDEX_FILE, ensure_prepared
 from swarm.dataset.documents import STDLIB
-from swarm.dataset.index import DataIndex, parse_index
+from swarm.dataset.index import DataIndex, check_fits, parse_index
 from swarm.dataset.tokenizer import Tokenizer, byte_tokenizer, file_sha256
 from swarm.errors import DataError
 
@@ -190,21 +190,7 @@ def open_swarm_data(manifest: Manifest, tokenizer: Tokenizer | None, source: str
         )
     else:
         data = TokenShards.open(ensure_prepared(source, tokenizer, None, config.shards, config.heldout_fraction))
-    expected = tokenizer.sha256 if tokenizer is not None else (config.tokenizer_sha256 if config.tokenizer else "")
-    if data.tokenizer_sha256 != expected:
-
-        def name(sha256: str) -> str:
-            return f"the tokenizer {sha256[:16]}..." if sha256 else "the byte vocabulary"
-
-        raise DataError(
-            f"the data in {data.folder} was tokenized with {name(data.tokenizer_sha256)}, but the swarm uses "
-            f"{name(expected)}: prepare it again with the swarm's tokenizer (swarm-data prepare --tokenizer)"
-        )
-    if data.vocab_size > manifest.model.vocab_size:
-        raise DataError(
-            f"the data in {data.folder} has {data.vocab_size} token ids, more than the model's vocabulary of "
-            f"{manifest.model.vocab_size}"
-        )
+    check_fits(data.index, manifest, tokenizer, str(data.folder))
     return data
 
 
