@@ -46,6 +46,9 @@ examples:
       JSON lines with their text under "content", tokenized with an existing Hugging Face tokenizer.json
   swarm-data prepare /data/books --out data/books --chunk-tokens 1000000 --heldout-fraction 0.01 --json
       smaller chunks, 1% held out, and the summary as one JSON object
+  swarm-data prepare https://example.org/web/part-0.jsonl,https://example.org/web/part-1.jsonl --out data/web \
+      --tokenizer tokenizer.json
+      JSON lines streamed from the web (hf://datasets/USER/REPO/FOLDER lists a Hub folder's files)
   swarm-data inspect data/books
       the prepared folder: chunks, tokens, the tokenizer's hash and the index's hash (the data's name)
 """
@@ -71,7 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     prepare.add_argument(
-        "source", metavar="SOURCE", help="'stdlib', a text file, a .jsonl or .parquet file, or a folder of them"
+        "source",
+        metavar="SOURCE",
+        help="'stdlib', a text file, a .jsonl or .parquet file, a folder of them, or URLs of .jsonl/.parquet files "
+        "(http(s), hf://datasets/..., s3://...; comma-separated; streamed, never whole in memory)",
     )
     prepare.add_argument("--out", required=True, metavar="DIR", help="the folder to write (its files are replaced)")
     which = prepare.add_mutually_exclusive_group()

@@ -253,7 +253,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="print status lines and events (moves, state taken, averaging rounds) as JSON, one object per line "
         "(with --check: the checks as one JSON object)",
     )
-    parser.add_argument("--seed", type=int, default=None, help="seed of the trainer's data order (default: random)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the trainer's order of chunks and windows (default: its peer id's order)",
+    )
     parser.add_argument(
         "--check-fraction",
         type=float,
