@@ -46,9 +46,8 @@ examples:
       JSON lines with their text under "content", tokenized with an existing Hugging Face tokenizer.json
   swarm-data prepare /data/books --out data/books --chunk-tokens 1000000 --heldout-fraction 0.01 --json
       smaller chunks, 1% held out, and the summary as one JSON object
-  swarm-data prepare https://example.org/web/part-0.jsonl,https://example.org/web/part-1.jsonl --out data/web \
-      --tokenizer tokenizer.json
-      JSON lines streamed from the web (hf://datasets/USER/REPO/FOLDER lists a Hub folder's files)
+  swarm-data prepare https://example.org/web/part-0.jsonl,https://example.org/web/part-1.jsonl --out web
+      --tokenizer tokenizer.json: JSON lines streamed from the web (hf://datasets/USER/REPO/FOLDER lists a Hub folder's files)
   swarm-data inspect data/books
       the prepared folder: chunks, tokens, the tokenizer's hash and the index's hash (the data's name)
 """
