@@ -150,7 +150,7 @@ def serving(peer: Peer) -> bool:
 
 def signal_group(peer: Peer, sig: int) -> None:
     if peer.process is not None:
-        peer.process.signal_group(sig)
+        peer.process.signal_all(sig)
 
 
 def kill_peer(peer: Peer) -> None:

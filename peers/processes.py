@@ -100,10 +100,27 @@ def socket_files(pgid: int) -> set[Path]:
 
 
 def signal_group(pgid: int, sig: int) -> None:
+    """The process group only, as a terminal's Ctrl-C reaches it: not the peer's DHT process and p2pd daemon, which
+    run in a group of their own (swarm/dht/node.py, GroupedDHT)."""
     try:
         os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
+
+
+def signal_peer(pgid: int, sig: int) -> None:
+    """Every process of the peer: its group, and the groups of its processes outside it (the DHT process and its
+    p2pd daemon). SIGSTOP stalls the peer as a frozen machine would."""
+    groups = {pgid} | {int(fields[2]) for fields in peer_processes(pgid).values()}
+    for group in sorted(groups, key=lambda g: g != pgid):
+        signal_group(group, sig)
+
+
+def still_alive(seen: dict[int, str]) -> bool:
+    """Whether any of the processes `seen` (pid -> start time, from peer_processes) still runs: a pid reused
+    meanwhile by another process is not one of them."""
+    alive = live_processes()
+    return any(pid in alive and alive[pid][19] == start for pid, start in seen.items())
 
 
 def _popen(process: subprocess.Popen | PeerProcess) -> subprocess.Popen:
@@ -118,7 +135,7 @@ def kill_peer(process: subprocess.Popen | PeerProcess, sockets: set[Path] | None
     sockets = socket_files(pgid) if sockets is None else sockets
     # descendants in other groups, by (pid, start time): a pid reused meanwhile is not theirs
     strays = {(pid, fields[19]) for pid, fields in peer_processes(pgid).items() if int(fields[2]) != pgid}
-    signal_group(pgid, signal.SIGCONT)  # a stopped (SIGSTOP) group must run to die
+    signal_peer(pgid, signal.SIGCONT)  # a stopped (SIGSTOP) peer must run to die
     signal_group(pgid, signal.SIGKILL)
     alive = live_processes()
     for pid, start in strays:  # only if still the same process (a pid may have been reused)
@@ -152,7 +169,7 @@ def stop_peers(processes: Sequence[subprocess.Popen | PeerProcess], grace: float
     sockets = [socket_files(p.pid) for p in processes]  # a daemon killed below cannot remove its own
     for process in processes:
         if process.poll() is None:
-            signal_group(process.pid, signal.SIGCONT)
+            signal_peer(process.pid, signal.SIGCONT)
             process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
     stopped_at: dict[int, float] = {}  # by pid: when the peer was seen to have printed STOPPED
@@ -256,6 +273,7 @@ class PeerProcess:
         self._text = ""  # _data decoded
         self._parsed = 0  # bytes of _data whose complete lines are parsed into _json
         self._json: list[dict[str, Any]] = []
+        self._seen: dict[int, str] = {}  # its processes seen so far (pid -> start time): see processes()
 
     @property
     def pid(self) -> int:
@@ -347,7 +365,9 @@ class PeerProcess:
 
     def maddr(self, timeout: float = 60.0) -> str:
         """The loopback multiaddr it printed (its DHT is up)."""
-        return self.wait_for(MADDR, timeout).group(1)
+        found = self.wait_for(MADDR, timeout).group(1)
+        self.processes()  # its DHT process and p2pd run now: remembered, to be found once it exits
+        return found
 
     def peer_id(self, timeout: float = 60.0) -> str:
         return self.wait_for(PEER_ID, timeout).group(1)
@@ -355,14 +375,28 @@ class PeerProcess:
     # ----------------------------------------------------------------------------------------- ending
 
     def signal_group(self, sig: int) -> None:
-        """Send a signal to the peer's whole group: SIGSTOP stalls it, SIGINT is a terminal's Ctrl-C."""
+        """Send a signal to the peer's process group, as a terminal's Ctrl-C (SIGINT) reaches it."""
+        self.processes()
         signal_group(self.pgid, sig)
 
+    def signal_all(self, sig: int) -> None:
+        """Send a signal to every process of the peer (its DHT process and p2pd too): SIGSTOP stalls it."""
+        self.processes()
+        signal_peer(self.pgid, sig)
+
+    def processes(self) -> dict[int, str]:
+        """The peer's processes seen so far (pid -> start time), its DHT process and p2pd daemon included, which
+        live in a group of their own: once the peer has exited they can no longer be found as its descendants."""
+        self._seen.update({pid: fields[19] for pid, fields in peer_processes(self.pgid).items()})
+        return dict(self._seen)
+
     def group_alive(self) -> bool:
-        return group_alive(self.pgid)  # zombies of the group do not count once the leader is reaped
+        """Whether any of the peer's processes (its DHT process and p2pd too) still runs; zombies do not count."""
+        return group_alive(self.pgid) or still_alive(self.processes())
 
     def socket_files(self) -> set[Path]:
         """Unix socket files that the peer's processes (python, DHT process, p2pd) have open."""
+        self.processes()
         return socket_files(self.pgid)
 
     def stop(self, grace: float = 10.0) -> None:

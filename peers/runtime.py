@@ -61,16 +61,20 @@ def add_join_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join", required=True, metavar="MANIFEST", help=JOIN_HELP)
 
 
-def install_stop_handlers(stop: asyncio.Event) -> None:
-    """Ctrl-C and SIGTERM set `stop`, so that the program shuts down cleanly."""
+def install_stop_handlers(stop: asyncio.Event, hurry: asyncio.Event | None = None) -> None:
+    """Ctrl-C, SIGTERM and SIGHUP (the terminal closed) set `stop`, so that the program shuts down cleanly; a second
+    one sets `hurry` (if given): stop without waiting for others to take this peer's stages over."""
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:
-        if stop.is_set():  # a second Ctrl-C: the first is being acted on; say so rather than look stuck
+        if stop.is_set() and hurry is not None and not hurry.is_set():
+            print("stopping now, without waiting for a handover; then finishing the work in flight", flush=True)
+            hurry.set()
+        elif stop.is_set():  # the first is being acted on; say so rather than look stuck
             print("already stopping: finishing the work in flight (at most about a minute)", flush=True)
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, on_signal)
 
 

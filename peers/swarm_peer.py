@@ -216,8 +216,8 @@ def write_published_manifest(args: argparse.Namespace, manifest: Manifest, addrs
 async def run_peer(
     args: argparse.Namespace, manifest: Manifest | None, dht, device: torch.device, identity: PeerIdentity
 ) -> int:
-    stop = asyncio.Event()
-    runtime.install_stop_handlers(stop)
+    stop, hurry = asyncio.Event(), asyncio.Event()
+    runtime.install_stop_handlers(stop, hurry)
     p2p = await dht.replicate_p2p()
     if manifest is None:
         manifest = await joining.manifest_through_peer(p2p, args.join, manifest)
@@ -315,7 +315,7 @@ async def run_peer(
         if rules_task is not None:
             rules_task.cancel()
         print("stopping: finishing the work in flight and saving each stage's state", flush=True)
-        await peer.shutdown()
+        await peer.shutdown(hurry)
         print("stopped cleanly", flush=True)
     return 0
 
@@ -431,6 +431,20 @@ def print_event(event: Event, as_json: bool) -> None:
             f"this CPU peer trains only: {why} ({f['reason']}). Its microbatches are computed by the serving "
             "peers. To serve anyway, pin a stage with --stage N"
         )
+    elif event.kind == EventKind.LEAVING:
+        text = (
+            f"leaving: only this peer serves stages {f['stages']}; handing them over to the peers that take them "
+            f"(waiting up to {f['start_within']:.0f} s for one to start; Ctrl-C again to stop now, leaving their "
+            "training since the last checkpoint on this machine only)"
+        )
+    elif event.kind == EventKind.HANDED_OVER:
+        text = f"handed stages {f['taken']} over in {f['seconds']} s" if f["taken"] else "handed no stage over"
+        if f["left_behind"]:
+            why = "you asked to stop now" if f["hurried"] else "no peer came to take them"
+            text += (
+                f"; stages {f['left_behind']} were not taken ({why}): their state is in this peer's checkpoints, "
+                "which other peers fetch from here while it runs"
+            )
     elif event.kind == EventKind.OUT_OF_MEMORY:
         shed = {"smaller_window": "kept fewer microbatches", "shorter_span": "dropping the span's last stage"}
         text = (

@@ -109,6 +109,11 @@ class DownstreamFailedError(RequestRefusedError):
     applied here."""
 
 
+class StageStoppedError(RequestRefusedError):
+    """The stage stopped here (the peer leaves it, moves or shuts down) while the request waited for its worker:
+    nothing was applied; another peer of the stage takes it (answered `busy`: the caller does not ban for it)."""
+
+
 class MicrobatchFailedError(SwarmError):
     """A microbatch could not be completed within its deadline, after retries."""
 

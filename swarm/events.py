@@ -12,6 +12,9 @@ Fields, by kind (every event also has `event`, its kind, and `at`, the Unix time
 - averaging_round: `stage`, `round`, `outcome` (applied, skipped, dropped, alone or caught_up), `group_size`,
   `change` (relative change of the parameters, 0 unless applied), `matchmaking_seconds` and `allreduce_seconds`
   (how long finding the group and the all-reduce took; 0 unless applied)
+- leaving: `stages` (those only this peer serves), `start_within` (seconds it waits for a peer to take them)
+- handed_over: `stages`, `taken` (by other peers), `left_behind` (nobody took them: their training since the last
+  checkpoint stays on this machine), `seconds`, `hurried` (its owner asked to stop at once)
 - out_of_memory: `stage`, `action` (smaller_window, shorter_span or busy: swarm/server/shedding.py),
   `kept_microbatches` (the window from now on), `out_of_memory` (such errors at this stage so far), `error` (one line)
 """
@@ -33,6 +36,8 @@ class EventKind(StrEnum):
     PAUSED = "paused"  # the owner paused the peer: it drained, and its device memory is free
     RESUMED = "resumed"  # the owner resumed it: it caught up with its stage and serves again
     TRAINS_ONLY = "trains_only"  # a CPU peer that holds no stage, or too slowly to help, trains without serving
+    LEAVING = "leaving"  # a stopping peer hands the stages only it serves over (server/handover.py)
+    HANDED_OVER = "handed_over"  # ... and how that went
 
 
 class StateSource(StrEnum):

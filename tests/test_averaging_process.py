@@ -132,7 +132,7 @@ def test_replicas_trained_on_different_data_converge_and_a_failed_round_is_skipp
     # serves most of the round's samples, so that the round is due right after the stop, while b's record is still
     # alive (20 microbatches after the stop took over 6 s on a loaded machine: a then averaged alone, never skipped)
     client.train(a.peer_id(), seed=1, microbatches=19)  # 152 of the round's 160 samples
-    b.signal_group(signal.SIGSTOP)
+    b.signal_all(signal.SIGSTOP)
     try:
         client.train(a.peer_id(), seed=1, microbatches=2)
         a.wait_for_event("averaging_round", timeout=40, stage=0, round=1, outcome="skipped")
@@ -141,7 +141,7 @@ def test_replicas_trained_on_different_data_converge_and_a_failed_round_is_skipp
         assert parameter_distance(client.state(a.peer_id()), before) > 0
         assert a.process.poll() is None
     finally:
-        b.signal_group(signal.SIGCONT)
+        b.signal_all(signal.SIGCONT)
 
 
 def outer_split(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -164,13 +164,13 @@ def test_a_diloco_replica_that_missed_a_round_keeps_its_local_steps(start_peer, 
     assert sum(float(v.norm()) for v in b_local.values()) > 0  # b trained: it has local steps of its own
 
     # b stops answering long enough for a to be alone: a's round applies its own outer step and moves to round 1
-    b.signal_group(signal.SIGSTOP)
+    b.signal_all(signal.SIGSTOP)
     try:
         time.sleep(11)  # b's record lapses (3 s), then 2 lifetimes pass without b (6 s)
         client.train(a.peer_id(), seed=1, microbatches=8)
         a.wait_for_event("averaging_round", timeout=30, stage=0, round=0, outcome="alone")
     finally:
-        b.signal_group(signal.SIGCONT)
+        b.signal_all(signal.SIGCONT)
     a_anchor, _ = outer_split(client.state(a.peer_id()))
 
     # b, one round behind, takes the stage's anchor and keeps its local steps on top (it used to take a's whole

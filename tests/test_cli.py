@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, group_alive, live_processes, tiny_manifest_dict
+from conftest import ROOT, live_processes, tiny_manifest_dict
+from peers import processes
 from peers.swarm_demo import main as demo_main
 from peers.swarm_peer import main as peer_main
 from peers.swarm_peer import parse_args as peer_parse_args
@@ -221,7 +222,7 @@ def test_demo_trains_and_reports_json_with_its_monitor():
         assert demo.returncode == 0, out
     finally:
         if demo.poll() is None:
-            os.killpg(demo.pid, signal.SIGKILL)
+            processes.signal_peer(demo.pid, signal.SIGKILL)
             demo.wait(timeout=10)
     summary = json.loads(out.strip().splitlines()[-1])
     assert {"initial_loss", "final_loss", "samples_per_second", "peers"} <= set(summary)
@@ -279,18 +280,17 @@ def test_demo_ctrl_c_stops_every_peer():
         folder, deadline = _demo_folder(peers[0]), time.monotonic() + 15
         while _serving(folder) < len(peers) and time.monotonic() < deadline:
             time.sleep(0.5)
+        # each peer's processes, its DHT process and p2pd daemon included (they run in a group of their own)
+        seen = {pid: fields[19] for p in peers for pid, fields in processes.peer_processes(p).items()}
         os.killpg(demo.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
         assert demo.wait(timeout=60) == 130
         deadline = time.monotonic() + 10
-        while any(group_alive(p) for p in peers) and time.monotonic() < deadline:
+        while processes.still_alive(seen) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(group_alive(p) for p in peers), "a peer, its DHT process or its p2pd outlived the demo"
+        assert not processes.still_alive(seen), "a peer, its DHT process or its p2pd outlived the demo"
     finally:
         for pgid in [demo.pid, *peers]:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            processes.signal_peer(pgid, signal.SIGKILL)
         demo.wait(timeout=10)
 
 

@@ -77,7 +77,7 @@ def test_three_stages_forward_around_a_killed_hop_and_the_trainers_link_carries_
         before = last_status(trainer)["trainer_samples"]
         # frozen first, for a second: microbatches that stage 0 sends it meanwhile are surely in flight there when it
         # dies (a kill at a moment when it held none leaves nothing to reroute: seen on a loaded machine)
-        victim.signal_group(signal.SIGSTOP)
+        victim.signal_all(signal.SIGSTOP)
         time.sleep(1.0)
         victim.kill()
         killed = time.monotonic()

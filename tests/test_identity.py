@@ -61,7 +61,7 @@ def test_identity_survives_restart_and_cannot_be_shared(start_peer, write_manife
     assert "a peer with this id" in clone.output() and "already in the swarm" in clone.output()
 
     # killed and restarted: the same id, and its own address among the initial peers does not stop it
-    first.signal_group(signal.SIGKILL)
+    first.signal_all(signal.SIGKILL)
     first.kill()
     again = start_peer(joined, "--stage", "0", "--no-trainer", "--identity", str(identity))
     assert again.peer_id() == first_id

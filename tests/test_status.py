@@ -198,7 +198,7 @@ class StatusRuns:
 
     def close(self) -> None:
         for run in self.started:
-            processes.signal_group(run.pid, signal.SIGKILL)
+            processes.signal_peer(run.pid, signal.SIGKILL)
             run.wait()
 
 

@@ -9,6 +9,7 @@ other peers. What --join names, and whom a node bootstraps through, is swarm/dht
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import tempfile
@@ -25,6 +26,18 @@ from swarm.trust.signing import IdentityKey, protect_records
 
 ALL_INTERFACES = ["/ip4/0.0.0.0/tcp/0"]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+class GroupedDHT(DHT):
+    """hivemind's DHT, whose process (and the p2pd daemon it starts) runs in a process group of its own.
+
+    A terminal's Ctrl-C goes to the whole foreground process group at once, and p2pd stops on SIGINT even where it
+    is ignored: it would be gone before the peer could announce that it leaves, hand its stages over or save them.
+    Out of the group, only the peer hears the Ctrl-C, and it stops the DHT process itself (DHT.shutdown) last."""
+
+    def run(self) -> None:
+        os.setpgid(0, 0)
+        super().run()
 
 
 def start_dht(
@@ -80,7 +93,7 @@ def _start_dht(
 ) -> DHT:
     dht = None
     try:
-        dht = DHT(
+        dht = GroupedDHT(
             initial_peers=list(initial_peers),
             start=False,
             host_maddrs=host_maddrs,

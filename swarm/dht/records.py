@@ -29,6 +29,7 @@ class PeerState(StrEnum):
     ONLINE = "online"  # serves the stage
     OFFLINE = "offline"  # stopped serving it (left, or moved away)
     PAUSED = "paused"  # its owner paused it: takes no microbatches, keeps the stage's state and hands it out
+    LEAVING = "leaving"  # stops soon: takes no microbatches, hands its state to the peer that takes the stage over
 
 
 MAX_TEXT = 256

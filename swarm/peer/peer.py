@@ -31,10 +31,12 @@ from swarm.dataset.opening import open_data
 from swarm.dataset.sharing import DataService
 from swarm.dataset.stream import ChunkStream
 from swarm.dataset.tokenizer import Tokenizer
+from swarm.dht.records import PeerState
 from swarm.errors import CapacityError, TooSlowToServeError
 from swarm.events import Event, EventKind, OnEvent, ignore
 from swarm.manifests.manifest import Manifest
 from swarm.peer.context import PeerContext
+from swarm.server import handover
 from swarm.server.reachability import ReachabilityService, ReverseConnector
 from swarm.server.rebalancer import Rebalancer
 from swarm.server.stage import ServingOptions, StageServer
@@ -302,14 +304,40 @@ class Peer:
             logger.info(f"resumed: serving again in {seconds:.1f}s (state from: {', '.join(sources) or 'nothing'})")
             self.on_event(Event(EventKind.RESUMED, {"seconds": round(seconds, 2), "sources": sources}))
 
-    async def shutdown(self) -> None:
-        """Stop everything, each step bounded: on Ctrl-C the DHT process and p2p daemon may already be gone."""
+    async def _hand_over(self, hurry: asyncio.Event) -> None:
+        """The stages only this peer serves, to the peers that take them over (a `leaving` event first, then a
+        `handed_over` one); nothing when every stage has other online peers, or the peer is paused (its stages
+        hand their state out already, and others took them over or will from its checkpoints)."""
+        servers = [server for server in self.rebalancer.servers if server.state == PeerState.ONLINE]
+        if not servers or hurry.is_set():
+            return
+        try:
+            sole = await handover.sole_stages(servers, self.context.view, self.context.peer_id)
+            if sole and not await handover.anyone_else(self.context.view, self.context.peer_id):
+                return  # alone in the swarm: nobody to hand them to (its checkpoints keep them)
+        except Exception as e:  # the DHT did not answer: nothing to wait for that could be seen
+            logger.warning(f"could not tell which stages only this peer serves: {e!r}")
+            return
+        if not sole:
+            return
+        stages = [server.stage for server in sole]
+        self.on_event(Event(EventKind.LEAVING, {"stages": stages, "start_within": handover.HANDOVER_START}))
+        result = await handover.hand_over(sole, self.context.view, self.context.peer_id, hurry)
+        fields = {"stages": list(result.sole), "taken": list(result.taken), "left_behind": list(result.left_behind)}
+        fields.update(seconds=round(result.seconds, 2), hurried=result.hurried)
+        self.on_event(Event(EventKind.HANDED_OVER, fields))
+
+    async def shutdown(self, hurry: asyncio.Event | None = None) -> None:
+        """Stop everything, each step bounded: first the stages only this peer serves are handed over to other
+        peers (server/handover.py) unless `hurry` is set meanwhile (the owner's second Ctrl-C)."""
         self._stop.set()
-        for name in (
-            "balancing",
-            "connector",
-            "pinger",
-        ):  # a move in progress (a state download) must not delay the exit
+        if "balancing" in self._tasks:  # a move in progress (a state download) must not delay the exit
+            self._tasks["balancing"].cancel()
+        await asyncio.gather(
+            *[self._tasks[name] for name in ("balancing", "training") if name in self._tasks], return_exceptions=True
+        )
+        await self._hand_over(hurry or asyncio.Event())
+        for name in ("connector", "pinger"):
             if name in self._tasks:
                 self._tasks[name].cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)

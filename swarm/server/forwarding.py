@@ -41,6 +41,7 @@ from swarm.errors import (
     DownstreamFailedError,
     DuplicateMicrobatchError,
     RemoteStageError,
+    StageStoppedError,
     TooLateError,
     WrongStageError,
 )
@@ -157,6 +158,12 @@ class Forwarder:
         return await asyncio.shield(task)
 
     async def _handle(self, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
+        try:
+            return await self._handle_train(request, caller)
+        except StageStoppedError as e:  # the stage stopped here meanwhile (a move, a leave): 'busy', no blame
+            return self.path.error_reply("train", caller, e)
+
+    async def _handle_train(self, request: runtime_pb2.ExpertRequest, caller: str) -> runtime_pb2.ExpertResponse:
         arrival = time.monotonic()
         path = self.path
         if (refusal := path.refusal(caller)) is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable
 
 from hivemind.utils import get_dht_time
@@ -233,16 +234,23 @@ class Rebalancer:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Check the balance at random intervals until `stop` is set; move when the check says so. A pinned
-        peer never moves, but still replaces the assumed bandwidth by a measurement once it can."""
-        period = self.manifest.balancing.check_period
+        peer never moves, but still replaces the assumed bandwidth by a measurement once it can. Between two
+        checks it looks at the cached records every announce period: a stage that nobody holds any more (its
+        only peer vanished, or leaves and waits for someone to take its state: server/handover.py) is checked
+        for at once, not at the next check."""
+        period, look = self.manifest.balancing.check_period, self.manifest.network.announce_period
+        next_check = time.monotonic() + period * self.rng.uniform(0.5, 1.5)
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), timeout=period * self.rng.uniform(0.5, 1.5))
+                await asyncio.wait_for(stop.wait(), timeout=max(0.0, min(next_check - time.monotonic(), look)))
                 return
             except TimeoutError:
                 pass
             if self.paused:
                 continue
+            if time.monotonic() < next_check and not await self._stage_is_empty():
+                continue
+            next_check = time.monotonic() + period * self.rng.uniform(0.5, 1.5)
             try:
                 if self.options.stage is not None:
                     if self.meter.network_is_assumed:
@@ -257,6 +265,17 @@ class Rebalancer:
                 raise  # serving nothing at all: swarm-peer stops with the error
             except Exception as e:  # a failed check, or a move called off: the peer goes on serving
                 logger.warning(f"balance check failed: {e!r}")
+
+    async def _stage_is_empty(self) -> bool:
+        """Whether some stage has no online or joining peer in the cached records (a movable peer only)."""
+        if self.options.stage is not None:
+            return False
+        try:
+            held = {load.stage for load in await self._loads(force=False)}
+        except Exception as e:  # a DHT timeout: the regular check will look again
+            logger.debug(f"reading the records failed: {e!r}")
+            return False
+        return any(stage not in held for stage in range(self.manifest.num_stages))
 
     async def check(self) -> tuple[int, int] | None:
         """The span (start, end) to move to, if the balance says so at two looks a short random time apart."""

@@ -31,6 +31,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from swarm.dht.records import PeerState
+from swarm.errors import StageStoppedError
 from swarm.server.admission import Admission
 from swarm.server.compute import StageCompute
 from swarm.server.shedding import MIN_KEPT, Shedding, describe, is_out_of_memory, shed
@@ -101,7 +102,10 @@ class RequestPath:
     def forget(self, keys: list[Key]) -> None:
         """Slots given up (their backward never came, or failed): drop their forwards' activations, in the worker,
         before any later request, so that a later backward recomputes at the weights of its own step."""
-        self.worker.submit(lambda compute: compute.forget_forwards(keys))
+        try:
+            self.worker.submit(lambda compute: compute.forget_forwards(keys))
+        except StageStoppedError:
+            pass  # a stopped stage keeps no activations
 
     def refusal(self, caller: str) -> runtime_pb2.ExpertResponse | None:
         """A prompt reply instead of work: the caller is banned, this peer is not online, or it is too busy."""
@@ -113,7 +117,11 @@ class RequestPath:
         its forward was taken on, is never refused)."""
         admission = self.admission
         admission.take_slot(caller)
-        future = self.worker.submit(lambda compute: self._attempt(work, compute))
+        try:
+            future = self.worker.submit(lambda compute: self._attempt(work, compute))
+        except StageStoppedError as e:  # it stopped (a move, a leave) since the request was admitted
+            admission.release_slot(caller)
+            return self.error_reply(kind, caller, e)
         future.add_done_callback(lambda _: admission.release_slot(caller))
         result = await asyncio.shield(future)
         if isinstance(result, _Failed):

@@ -23,7 +23,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.dataset import tokenizer_source
 from swarm.dht.records import PeerState
-from swarm.errors import BadRequestError, SwarmError
+from swarm.errors import BadRequestError, StageStoppedError, SwarmError
 from swarm.manifests.manifest import Manifest
 from swarm.server.compute import StageCompute
 from swarm.server.forwarding import Forwarder
@@ -65,6 +65,7 @@ class StageService(StageRPC):
         self.max_message_bytes = max_message_bytes(manifest)
         self._drains = 0
         self._control_calls = 0
+        self.sending_state = 0  # downloads of this stage's state in flight (a leaving peer waits for them)
         self._tokenizer: bytes | None = None  # the swarm's tokenizer file, read from the cache once asked for
 
     # ------------------------------------------------------------------------------- forward, backward
@@ -278,20 +279,27 @@ class StageService(StageRPC):
         except BadRequestError as e:
             yield admission.bad_request(caller, str(e))
             return
-        # a paused peer still hands its state out: it may be the stage's only holder while its owner has it paused
-        if self.state() not in (PeerState.ONLINE, PeerState.PAUSED) or self._control_calls >= MAX_CONTROL_CALLS:
+        # a paused or leaving peer still hands its state out: it may be the stage's only holder
+        handing_out = (PeerState.ONLINE, PeerState.PAUSED, PeerState.LEAVING)
+        if self.state() not in handing_out or self._control_calls >= MAX_CONTROL_CALLS:
             yield admission.busy(f"this peer is {self.state()} or busy; try another peer")
             return
         self._control_calls += 1
+        self.sending_state += 1
         try:
             # taken in the worker thread, between two requests, so parameters and statistics match
-            items, counters = await self.worker.run(lambda compute: compute.snapshot())
+            try:
+                items, counters = await self.worker.run(lambda compute: compute.snapshot())
+            except StageStoppedError as e:  # it stopped here meanwhile: its state is in its checkpoint now
+                yield admission.busy(str(e))
+                return
             reply = make_reply([tensor for _, tensor in items])
             reply.metadata = pack({"ok": True, "names": [name for name, _ in items], **counters})
             for part in split_message(reply):
                 yield part
         finally:
             self._control_calls -= 1
+            self.sending_state -= 1
 
     async def rpc_tokenizer(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext

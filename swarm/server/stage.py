@@ -202,6 +202,13 @@ class StageServer:
         while (self.admission.pending > 0 or self.forwarder.in_flight > 0) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
+    async def leave(self, timeout: float) -> None:
+        """The peer stops and nobody else serves this stage (server/handover.py): announce leaving (balancing counts
+        it out, so another peer comes), take no part in rounds, and drain, so that the state handed over is final."""
+        if self.rounds is not None:
+            self.rounds.active = False
+        await self.drain(timeout, PeerState.LEAVING)
+
     async def pause(self, timeout: float) -> int:
         """The owner wants the device back: announce paused (routes avoid it, its stage's peers may still download
         its state), take no part in rounds, drain, and park the state in RAM (server/parking.py). Bytes freed."""

@@ -1,5 +1,5 @@
 """Where a stage's state comes from when this peer starts serving it: an online peer of the stage (fastest
-first; then a paused one, which keeps its state for the stage), this peer's own checkpoint when that is further
+first; then a leaving or paused one, which keeps its state for the stage), this peer's own checkpoint when that is further
 ahead or nobody serves the stage any more, or, when neither exists, the seed initialisation. A peer that resumes
 after a pause catches up: an online peer's state if that went further than its own (`catch_up`). Every outcome is
 reported as a `state_taken` event."""
@@ -52,7 +52,7 @@ class StateTakeover:
         stage = server.stage
         await self.view.all_stages(force=True)
         sources = self._fastest(await other_online_peers(self.view, stage, self.peer_id))
-        sources += await self._paused_peers(stage)  # the stage's state as their owners paused them
+        sources += await self._handing_out(stage)  # the stage's state as their owners paused them, or as they left
         checkpoint = find_checkpoint(server.options.checkpoint_dir, self.manifest, stage)
         if checkpoint is not None and not sources:
             # The stage trained before. Its peers' records may have lapsed for a moment (a DHT store that waits on an
@@ -133,13 +133,16 @@ class StateTakeover:
         self._report(stage, StateSource.OWN, "", fields, 0.0, "resume")
         return StateSource.OWN
 
-    async def _paused_peers(self, stage: int) -> list[Announcement]:
+    async def _handing_out(self, stage: int) -> list[Announcement]:
+        """Peers of the stage that keep its state without serving it: paused ones, and leaving ones (a leaving
+        peer, server/handover.py, waits for someone to take its state: those first)."""
         now = get_dht_time()
-        return [
+        found = [
             a
             for a in await self.view.stage(stage)
-            if a.state == PeerState.PAUSED and a.expiration > now and a.peer_id != self.peer_id
+            if a.state in (PeerState.PAUSED, PeerState.LEAVING) and a.expiration > now and a.peer_id != self.peer_id
         ]
+        return sorted(found, key=lambda a: a.state != PeerState.LEAVING)
 
     @staticmethod
     def _fastest(sources: list[Announcement]) -> list[Announcement]:

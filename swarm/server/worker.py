@@ -9,6 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from swarm.errors import StageStoppedError
 from swarm.server.compute import StageCompute
 
 T = TypeVar("T")
@@ -38,20 +39,29 @@ class StageWorker:
         return fn(self._compute)
 
     async def run(self, fn: Callable[[StageCompute], T]) -> T:
-        """`fn(compute)` in the worker thread, after the work queued before it."""
-        self._used = True
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self._compute)
+        """`fn(compute)` in the worker thread, after the work queued before it. StageStoppedError once the stage
+        has stopped (`finish`)."""
+        return await self._queue(fn, self._compute)
 
     def submit(self, fn: Callable[[StageCompute], T]) -> asyncio.Future[T]:
         """Like `run`, timed as a request, and returns the future at once (a request's slot is freed when the
-        work is done, not when its caller gives up)."""
-        self._used = True
-        return asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn)
+        work is done, not when its caller gives up). StageStoppedError once the stage has stopped."""
+        return self._queue(self._timed, fn, self._compute)
 
-    def _timed(self, fn: Callable[[StageCompute], T]) -> T:
+    def _queue(self, *call) -> asyncio.Future:
+        self._used = True
+        stopped = f"stage {self._compute.stage} has stopped on this peer; try another peer"
+        if self._finished:
+            raise StageStoppedError(stopped)
+        try:
+            return asyncio.get_running_loop().run_in_executor(self._executor, *call)
+        except RuntimeError:  # the executor shut down meanwhile (cannot schedule new futures after shutdown)
+            raise StageStoppedError(stopped) from None
+
+    def _timed(self, fn: Callable[[StageCompute], T], compute: StageCompute) -> T:
         started = time.perf_counter()
         try:
-            return fn(self._compute)
+            return fn(compute)
         finally:
             took = time.perf_counter() - started
             previous = self.seconds_per_request

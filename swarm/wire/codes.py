@@ -5,7 +5,8 @@ An error reply (swarm/wire/messages.py) carries a message and one of these codes
 never on the message. On the serving side, `code_of` turns the exception that stopped a request into its code
 (swarm/server/request_path.py writes every error reply through it); on the calling side, `decode_reply` raises
 RemoteStageError with the reply's code (`ErrorCode.of_reply`: one it does not know counts as INTERNAL).
-BUSY and BANNED have no exception: admission answers them at once, before any work (swarm/server/admission.py).
+BANNED has no exception, nor BUSY mostly: admission answers them at once, before any work
+(swarm/server/admission.py); a stage that stops while a request waits for its worker answers BUSY too.
 Which codes blame the peer that sent them is a rule of the hop (swarm/wire/hops.py, BLAMELESS).
 
 The codes' strings are part of the protocol: a new code, or a changed string, is a new PROTOCOL_VERSION.
@@ -20,6 +21,7 @@ from swarm.errors import (
     DownstreamFailedError,
     DuplicateMicrobatchError,
     GradientOverflowError,
+    StageStoppedError,
     TooLateError,
     UnknownMicrobatchError,
     WrongStageError,
@@ -56,6 +58,7 @@ EXCEPTION_CODES: dict[type[Exception], ErrorCode] = {
     TooLateError: ErrorCode.TOO_LATE,
     GradientOverflowError: ErrorCode.OVERFLOW,
     DownstreamFailedError: ErrorCode.DOWNSTREAM_FAILED,
+    StageStoppedError: ErrorCode.BUSY,  # as a peer that is not online answers: try another, no blame
 }
 
 

@@ -1,0 +1,127 @@
+"""A clean leave: before a peer stops, the stages that only it serves are handed over to another peer.
+
+A peer that stops (Ctrl-C, SIGTERM, the end of its run) is often the only online holder of some of its stages: with
+spans, a volunteer with a large GPU holds many blocks that nobody else does. Stopping at once would leave those
+stages to be restarted from an older checkpoint, or afresh. So, for each such stage, the leaving peer:
+
+1. announces `leaving` (balancing no longer counts it, so the stage looks empty and another peer takes it over:
+   balancing/spans.py's `toward_full_cover`, or moves.py's bottleneck; routes avoid it), takes no more microbatches
+   and leaves the averaging rounds, so that its state stops changing;
+2. hands its state to the peer that takes the stage over (rpc_download_state answers while it is leaving;
+   server/takeover.py downloads from leaving peers when no online peer has the stage);
+3. stops once another peer announces the stage online, or when nobody started to take it over within
+   `start_within` seconds (no peer joining the stage, no download of its state in flight), or when its owner asks
+   again (a second Ctrl-C: `hurry`). Its last checkpoint is saved either way, and other peers can fetch it from
+   there while it is back (server/checkpoint_sharing.py).
+
+Stages that other online peers serve too are not waited for: they have the stage's state already.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hivemind.utils import get_dht_time
+
+from swarm.dht.announcement_cache import AnnouncementCache
+from swarm.dht.records import PeerState
+from swarm.server.stage import StageServer
+from swarm.server.takeover import other_online_peers
+
+logger = logging.getLogger(__name__)
+
+HANDOVER_START = 60.0  # seconds a leaving peer waits for another peer to start taking a stage over
+DRAIN_TIMEOUT = 30.0  # seconds a leaving stage waits for the microbatches in flight
+LOOK_PERIOD = 1.0  # seconds between two reads of the stage's records while waiting
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What a leave did: the stages that only this peer served, those another peer took over, and how long it took."""
+
+    sole: tuple[int, ...]
+    taken: tuple[int, ...]
+    seconds: float
+    hurried: bool  # the owner asked to stop at once
+
+    @property
+    def left_behind(self) -> tuple[int, ...]:
+        """Stages nobody took over: their state since their last checkpoint stays on this machine only."""
+        return tuple(stage for stage in self.sole if stage not in self.taken)
+
+
+async def sole_stages(servers: Sequence[StageServer], view: AnnouncementCache, peer_id: str) -> list[StageServer]:
+    """The servers of stages that no other online peer serves (read afresh)."""
+    await view.all_stages(force=True)
+    return [server for server in servers if not await other_online_peers(view, server.stage, peer_id)]
+
+
+async def anyone_else(view: AnnouncementCache, peer_id: str) -> bool:
+    """Whether any other peer serves (or joins, or keeps paused) a stage of the swarm: a peer alone in its swarm
+    has nobody to hand its stages to, and stops at once."""
+    now = get_dht_time()
+    states = (PeerState.ONLINE, PeerState.JOINING, PeerState.PAUSED)
+    return any(
+        a.peer_id != peer_id and a.state in states and a.expiration > now
+        for announcements in await view.all_stages()
+        for a in announcements
+    )
+
+
+async def _being_taken(view: AnnouncementCache, server: StageServer, peer_id: str) -> bool:
+    """Whether another peer is taking the stage over now: it announced joining it, or downloads its state here."""
+    now = get_dht_time()
+    joining = [
+        a
+        for a in await view.stage(server.stage)
+        if a.state == PeerState.JOINING and a.peer_id != peer_id and a.expiration > now
+    ]
+    return bool(joining) or server.service.sending_state > 0
+
+
+async def hand_over(
+    servers: Sequence[StageServer],
+    view: AnnouncementCache,
+    peer_id: str,
+    hurry: asyncio.Event,
+    start_within: float = HANDOVER_START,
+) -> Handover:
+    """Hand the stages of `servers` that only this peer serves to other peers (see the module's docstring); the
+    servers are left leaving (drained), for the caller to shut down."""
+    begin = time.monotonic()
+    sole = await sole_stages(servers, view, peer_id)
+    if not sole:
+        return Handover((), (), 0.0, False)
+    stages = [server.stage for server in sole]
+    logger.info(f"leaving: handing stages {stages} over to other peers (waiting up to {start_within:.0f}s for one)")
+    for server in sole:
+        await server.leave(DRAIN_TIMEOUT)
+    waiting, taken = list(sole), []
+    last_activity = time.monotonic()
+    while waiting and not hurry.is_set():
+        try:
+            await asyncio.wait_for(hurry.wait(), timeout=LOOK_PERIOD)
+            break
+        except TimeoutError:
+            pass
+        await view.all_stages(force=True)
+        for server in list(waiting):
+            if await other_online_peers(view, server.stage, peer_id):
+                waiting.remove(server)
+                taken.append(server.stage)
+                logger.info(f"stage {server.stage} was taken over by another peer")
+            elif await _being_taken(view, server, peer_id):
+                last_activity = time.monotonic()
+        if time.monotonic() - last_activity > start_within:
+            break
+    handover = Handover(tuple(stages), tuple(sorted(taken)), time.monotonic() - begin, hurry.is_set())
+    if handover.left_behind:
+        logger.warning(
+            f"stages {list(handover.left_behind)} were not taken over by any peer "
+            f"({'asked to stop at once' if handover.hurried else f'nobody came within {start_within:.0f}s'})"
+        )
+    return handover

@@ -1,0 +1,87 @@
+"""Nothing trained is lost when a volunteer leaves: a peer that stops while it is the only one serving a stage
+hands that stage's state to the peer that takes it over before it goes (swarm/server/handover.py), and stops at
+once when its owner asks twice."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+
+from conftest import tiny_manifest_dict
+
+NOISE = ("Traceback", "Unhandled exception", "Task exception", "hard way", "failed during shutdown")
+
+
+def steps_of(peer, stage: int) -> int:
+    """The optimizer steps of the last checkpoint the peer saved of `stage` (it saves one as it stops)."""
+    saved = re.findall(rf"checkpoint of stage {stage} saved to \S+ \((\d+) steps\)", peer.output())
+    assert saved, peer.tail()
+    return int(saved[-1])
+
+
+def start_swarm(start_peer, write_manifest):
+    """Stage 0: a trainer pinned there and a movable peer; stage 1: one peer only, the one that will leave. The
+    announced throughputs make stage 0 the weaker stage, so that the movable peer chooses it at first."""
+    raw = tiny_manifest_dict(balancing={"check_period": 60})  # the handover cannot wait for a regular check
+    trainer = start_peer(write_manifest(raw), "--stage", "0", "--throughput", "100", "--status-every", "1")
+    raw["initial_peers"] = [trainer.maddr()]
+    path = write_manifest(raw, "joined.json")
+    leaver = start_peer(path, "--stage", "1", "--no-trainer", "--throughput", "1000", "--status-every", "1")
+    leaver.wait_for("serving stage 1")
+    taker = start_peer(path, "--no-trainer", "--throughput", "100", "--status-every", "1")
+    taker.wait_for("serving stage 0")
+    leaver.wait_for_json(lambda line: (line.get("optimizer_steps") or 0) >= 8, 120, "stage 1 trained")
+    return trainer, leaver, taker
+
+
+@pytest.mark.slow(60)
+def test_the_only_holder_of_a_stage_hands_it_over_when_a_ctrl_c_stops_it(start_peer, write_manifest):
+    trainer, leaver, taker = start_swarm(start_peer, write_manifest)
+    begin = time.monotonic()
+    leaver.signal_group(signal.SIGINT)  # a terminal's Ctrl-C: the peer's whole process group
+    leaving = leaver.wait_for_event("leaving", 30)
+    assert leaving["stages"] == [1]
+    assert leaver.process.wait(timeout=90) == 0, leaver.tail()
+    handed = leaver.wait_for_event("handed_over", 5)
+    assert handed["taken"] == [1] and handed["left_behind"] == [] and not handed["hurried"], handed
+    # the peer that took stage 1 over got its final state: not one optimizer step rolled back
+    taken = taker.wait_for_event("state_taken", 30, stage=1)
+    assert taken["source"] == "peer" and taken["peer_id"] == leaver.peer_id(), taken
+    assert taken["optimizer_steps"] == steps_of(leaver, 1) > 0, (taken, leaver.tail())
+    assert time.monotonic() - begin < 60
+    # training goes on through the peer that took it over
+    samples = trainer.json_lines()[-1].get("trainer_samples") or 0
+    trainer.wait_for_json(lambda line: (line.get("trainer_samples") or 0) > samples + 32, 60, "training again")
+    output = leaver.output()
+    assert not [word for word in NOISE if word in output], output[-3000:]
+
+
+@pytest.mark.slow(45)
+def test_a_second_ctrl_c_stops_at_once_and_says_what_stays_behind(start_peer, write_manifest):
+    raw = tiny_manifest_dict(balancing={"check_period": 60})
+    trainer = start_peer(write_manifest(raw), "--stage", "0", "--status-every", "1")
+    raw["initial_peers"] = [trainer.maddr()]
+    # nobody can take stage 1 over: the other peer is pinned to stage 0
+    leaver = start_peer(write_manifest(raw, "joined.json"), "--stage", "1", "--no-trainer", "--status-every", "1")
+    leaver.wait_for_json(lambda line: (line.get("optimizer_steps") or 0) >= 1, 120, "stage 1 trained")
+    daemon_sockets = [path for path in leaver.socket_files() if "p2pd" in path.name]
+    assert daemon_sockets
+    leaver.signal_group(signal.SIGINT)
+    leaver.wait_for_event("leaving", 30)
+    time.sleep(1)
+    # the Ctrl-C reached the peer only, not its p2p daemon (which would close its control socket at once): the
+    # peer can still announce, hand over and say goodbye while it leaves
+    assert all(path.exists() for path in daemon_sockets), daemon_sockets
+    begin = time.monotonic()
+    leaver.signal_group(signal.SIGINT)
+    assert leaver.process.wait(timeout=30) == 0, leaver.tail()
+    assert time.monotonic() - begin < 15
+    handed = leaver.wait_for_event("handed_over", 5)
+    assert handed["hurried"] and handed["left_behind"] == [1] and handed["taken"] == [], handed
+    assert "stopping now, without waiting for a handover" in leaver.output()
+    assert steps_of(leaver, 1) >= 1  # its state is in its checkpoint
+    output = leaver.output()
+    assert not [word for word in NOISE if word in output], output[-3000:]
