@@ -21,6 +21,7 @@ classes by tests/test_errors.py:
     TooLateError -> RequestRefusedError: a hop's deadline passed before its gradient was applied (nothing was)
     GradientOverflowError -> RequestRefusedError: a float16 stage's gradients overflowed its loss scale
     DownstreamFailedError -> RequestRefusedError: a later stage of a forwarded microbatch failed (not this peer's fault)
+    StageStoppedError -> RequestRefusedError: the stage stopped at the peer (a move, a leave) while the request waited
     MicrobatchFailedError -> SwarmError: a microbatch did not complete within its deadline, after retries
     PeerVanishedError -> SwarmError: a peer a call waited for stopped answering pings (its link is down, or it stopped)
     AveragingError -> SwarmError: an averaging round did not happen, or its result was unusable

@@ -224,7 +224,7 @@ def test_the_last_stage_has_no_window_to_shed():
 
 
 def test_swarm_peer_prints_the_event_as_a_sentence(capsys):
-    from peers.swarm_peer import print_event
+    from peers.peer_output import print_event
 
     fields = {"stage": 1, "action": "smaller_window", "kept_microbatches": 4, "out_of_memory": 2, "error": "E: x"}
     print_event(Event(EventKind.OUT_OF_MEMORY, fields), as_json=False)

@@ -31,7 +31,7 @@ from swarm.wire.messages import (
     split_message,
     unpack,
 )
-from swarm.wire.rpc import TOKENIZER_CHUNK_BYTES, StageRPC
+from swarm.wire.rpc import TOKENIZER_CHUNK_BYTES, CheckpointRPC, StageRPC
 from swarm.wire.state import STATE_COUNTERS
 from swarm.wire.tensors import encode_tensor
 
@@ -234,21 +234,26 @@ async def download_state(
     shapes: dict[str, tuple[int, ...]],
     timeout: float,
     stall: float = STATE_STALL_TIMEOUT,
+    from_checkpoint: bool = False,
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
     """Fetch the state of `stage` from `peer_id` within `timeout` seconds (and with no gap of `stall` seconds):
     named tensors (not yet checked against the model, see StageServer.load_state; `shapes` are the names it may
     hold, from swarm.wire.state) and its counters (optimizer_steps, averaging_round). Raises RemoteStageError on a
-    refusal or a malformed reply, TimeoutError when late. A long one logs its progress."""
+    refusal or a malformed reply, TimeoutError when late. A long one logs its progress. `from_checkpoint`: the
+    state the peer keeps in its checkpoint of the stage (swarm/server/checkpoint_sharing.py), served or not."""
     max_bytes = state_bytes(shapes) + 64 * len(shapes) + 65536
-    stub = StageRPC.stub(p2p, peer_id)
     request = make_control_request(manifest, manifest.proof(str(p2p.peer_id)), stage=stage)
-    what = f"state of stage {stage} from peer {peer_id[-8:]}"
+    what = f"{'checkpoint' if from_checkpoint else 'state'} of stage {stage} from peer {peer_id[-8:]}"
+    if from_checkpoint:
+        call = CheckpointRPC.stub(p2p, peer_id).rpc_checkpoint
+    else:
+        call = StageRPC.stub(p2p, peer_id).rpc_download_state
 
     async def one_request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
         yield request
 
     async def fetch() -> runtime_pb2.ExpertResponse:
-        parts = _watched(await stub.rpc_download_state(one_request()), what, max_bytes, min(stall, timeout))
+        parts = _watched(await call(one_request()), what, max_bytes, min(stall, timeout))
         return await combine_message(parts, runtime_pb2.ExpertResponse, max_bytes, max_tensors=len(shapes))
 
     largest = max(math.prod(shape) for shape in shapes.values())

@@ -28,6 +28,9 @@ class AnnouncementCache:
         self.dht, self.swarm_id, self.num_stages = dht, swarm_id, num_stages
         self.max_age, self.min_refresh_interval = max_age, min_refresh_interval
         self._stages: list[list[Announcement]] = [[] for _ in range(num_stages)]
+        # the most optimizer steps any peer of each stage announced, ever, as read here: how far a stage had come
+        # before its peers left or vanished (what a state taken from a checkpoint is behind)
+        self.furthest = [0] * num_stages
         self._updated = -float("inf")
         self._lock = asyncio.Lock()
 
@@ -40,6 +43,8 @@ class AnnouncementCache:
                 logger.warning(f"reading announcements of stage {stage} failed: {result!r}")
             else:
                 self._stages[stage] = result
+                steps = [a.optimizer_steps for a in result]
+                self.furthest[stage] = max([self.furthest[stage], *steps])
         self._updated = get_dht_time()
 
     async def all_stages(self, force: bool = False) -> list[list[Announcement]]:

@@ -79,9 +79,15 @@ def data_key(swarm_id: str) -> str:
     return f"{swarm_id}.data"
 
 
+def checkpoints_key(swarm_id: str) -> str:
+    """The checkpoints each peer keeps (swarm/server/checkpoint_sharing.py)."""
+    return f"{swarm_id}.checkpoints"
+
+
 def protected_keys(swarm_id: str, num_stages: int) -> list[str]:
     """The keys whose records only the peer named by their subkey may write (swarm/trust/signing.py)."""
-    return [*(stage_key(swarm_id, stage) for stage in range(num_stages)), trainers_key(swarm_id), data_key(swarm_id)]
+    stages = [stage_key(swarm_id, stage) for stage in range(num_stages)]
+    return [*stages, trainers_key(swarm_id), data_key(swarm_id), checkpoints_key(swarm_id)]
 
 
 @dataclass(frozen=True)

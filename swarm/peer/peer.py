@@ -37,6 +37,8 @@ from swarm.events import Event, EventKind, OnEvent, ignore
 from swarm.manifests.manifest import Manifest
 from swarm.peer.context import PeerContext
 from swarm.server import handover
+from swarm.server.backups import StageBackups
+from swarm.server.checkpoint_sharing import CheckpointAnnouncer, CheckpointService
 from swarm.server.reachability import ReachabilityService, ReverseConnector
 from swarm.server.rebalancer import Rebalancer
 from swarm.server.stage import ServingOptions, StageServer
@@ -91,6 +93,7 @@ class Peer:
         self.data: ChunkFetcher | None = None  # the chunks the trainer reads (and hands to other peers)
         self.stream: ChunkStream | None = None  # which of them it reads, and how far the swarm has read
         self.data_service = DataService(manifest)  # hands this machine's chunks to other peers
+        self.checkpoint_service = CheckpointService(manifest, serving.checkpoint_dir)  # and its checkpoints
 
         self.rebalancer = Rebalancer(self.context, serving, on_switch=on_switch, on_event=on_event)
         self._reachability = ReachabilityService(manifest)
@@ -107,6 +110,25 @@ class Peer:
         context = self.context
         await self._reachability.add_p2p_handlers(context.p2p, namespace=ReachabilityService.NAMESPACE)
         await self.data_service.add_p2p_handlers(context.p2p, namespace=DataService.NAMESPACE)
+        await self.checkpoint_service.add_p2p_handlers(context.p2p, namespace=CheckpointService.NAMESPACE)
+        checkpoints = CheckpointAnnouncer(
+            context.manifest,
+            context.dht,
+            context.peer_id,
+            self.serving.checkpoint_dir,
+            served=lambda: {server.stage for server in self.rebalancer.servers},
+        )
+        self._tasks["checkpoints"] = asyncio.create_task(checkpoints.run(self._stop))
+        backups = StageBackups(
+            context.manifest,
+            context.p2p,
+            context.view,
+            context.peer_id,
+            self.serving.checkpoint_dir,
+            every=self.serving.checkpoint_every,
+            served=lambda: {server.stage for server in self.rebalancer.servers},
+        )
+        self._tasks["backups"] = asyncio.create_task(backups.run(self._stop))
         if not self.serving.reachable:
             connector = ReverseConnector(context.p2p, context.view, context.peer_id, CONNECT_PERIOD)
             self._tasks["connector"] = asyncio.create_task(connector.run(self._stop))
@@ -337,7 +359,7 @@ class Peer:
             *[self._tasks[name] for name in ("balancing", "training") if name in self._tasks], return_exceptions=True
         )
         await self._hand_over(hurry or asyncio.Event())
-        for name in ("connector", "pinger"):
+        for name in ("connector", "pinger", "backups"):
             if name in self._tasks:
                 self._tasks[name].cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)

@@ -76,11 +76,21 @@ def save_checkpoint(
 
 def load_checkpoint(path: Path, manifest: Manifest, stage: int) -> Checkpoint:
     """Read a checkpoint of `stage` of this swarm; CheckpointError, naming the problem, if it is not one."""
-    path = Path(path)
+    return _read(Path(path), manifest, stage, with_tensors=True)
+
+
+def checkpoint_summary(path: Path, manifest: Manifest, stage: int) -> Checkpoint:
+    """What a checkpoint of `stage` holds (its counters, when it was saved), read from its metadata alone: no
+    tensor is read. CheckpointError as load_checkpoint."""
+    return _read(Path(path), manifest, stage, with_tensors=False)
+
+
+def _read(path: Path, manifest: Manifest, stage: int, with_tensors: bool) -> Checkpoint:
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
-            items = [(name, f.get_tensor(name)) for name in f.keys()]  # noqa: SIM118 (safe_open is not a dict)
+            names = list(f.keys()) if with_tensors else []  # noqa: SIM118 (safe_open is not a dict)
+            items = [(name, f.get_tensor(name)) for name in names]
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
     except (OSError, ValueError, SafetensorError, UnicodeDecodeError) as e:
@@ -107,6 +117,35 @@ def load_checkpoint(path: Path, manifest: Manifest, stage: int) -> Checkpoint:
     ):
         raise CheckpointError(f"{malformed} (counters must be non-negative integers); delete it")
     return Checkpoint(path, stage, items, counters, saved_at)
+
+
+def kept_stages(directory: Path | None) -> list[int]:
+    """The stages of which `directory` holds a checkpoint file (not yet checked)."""
+    if directory is None or not Path(directory).is_dir():
+        return []
+    stages = []
+    for path in Path(directory).glob("stage-*.safetensors"):
+        number = path.name[len("stage-") : -len(".safetensors")]
+        if number.isdigit() and len(number) <= 6:
+            stages.append(int(number))
+    return sorted(stages)
+
+
+def prune_checkpoints(directory: Path | None, keep: int, served: set[int]) -> list[int]:
+    """Bound the folder on disk: the checkpoints of the stages served now, and the `keep` most recently saved of
+    the others; the stages whose checkpoints were deleted."""
+    if directory is None:
+        return []
+    others = [stage for stage in kept_stages(directory) if stage not in served]
+    paths = {stage: checkpoint_path(directory, stage) for stage in others}
+    try:
+        by_age = sorted(others, key=lambda stage: paths[stage].stat().st_mtime, reverse=True)
+    except OSError:  # deleted meanwhile (another process of the user's)
+        return []
+    deleted = by_age[keep:]
+    for stage in deleted:
+        paths[stage].unlink(missing_ok=True)
+    return deleted
 
 
 def find_checkpoint(directory: Path | None, manifest: Manifest, stage: int) -> Checkpoint | None:

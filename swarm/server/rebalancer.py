@@ -280,7 +280,7 @@ class Rebalancer:
     async def check(self) -> tuple[int, int] | None:
         """The span (start, end) to move to, if the balance says so at two looks a short random time apart."""
         assert self.server is not None
-        if self.meter.network_is_assumed:
+        if self.meter.network_is_assumed and not await self._stage_is_empty():  # (a measurement takes seconds)
             await self._refresh_network_figure()
         # checks are frequent and cheap: they read the cached records; only a decision to move reads them afresh
         target = self._target(await self._loads(force=False))

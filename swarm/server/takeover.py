@@ -16,11 +16,13 @@ from hivemind.utils import get_dht_time
 from swarm.client.rpc import download_state, state_deadline
 from swarm.dht.announcement_cache import AnnouncementCache
 from swarm.dht.records import Announcement, PeerState, announcement_lifetime
+from swarm.errors import CheckpointError
 from swarm.events import Event, EventKind, OnEvent, StateSource
 from swarm.hf import pretrained
 from swarm.manifests.manifest import Manifest
 from swarm.routing import online_peers
-from swarm.server.checkpoint import find_checkpoint
+from swarm.server.checkpoint import Checkpoint, find_checkpoint
+from swarm.server.checkpoint_sharing import fetch_checkpoint_records, freshest
 from swarm.server.rounds import STATE_SOURCES
 from swarm.server.stage import StageServer
 from swarm.wire.state import stage_state_shapes
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 STATE_DOWNLOAD_FLOOR = 60.0  # seconds, plus the state's bytes at MIN_STATE_RATE (client/rpc.py's state_deadline)
 STATE_ATTEMPTS = 2  # tries per source peer: a download can be cut short (the peer was busy, a stream broke)
 RETRY_PAUSE = 1.0
+CHECKPOINT_SOURCES = 3  # peers' checkpoints tried, the freshest first
 
 
 def progress(counters: dict[str, int]) -> tuple[int, int]:
@@ -51,12 +54,15 @@ class StateTakeover:
         False if the stage has online peers but none could give its state (and there is no checkpoint)."""
         stage = server.stage
         await self.view.all_stages(force=True)
+        # how far the stage had come as its peers last announced it: what a checkpoint is behind
+        last_steps = max([*(a.optimizer_steps for a in await self.view.stage(stage)), self.view.furthest[stage]])
         sources = self._fastest(await other_online_peers(self.view, stage, self.peer_id))
         sources += await self._handing_out(stage)  # the stage's state as their owners paused them, or as they left
         checkpoint = find_checkpoint(server.options.checkpoint_dir, self.manifest, stage)
-        if checkpoint is not None and not sources:
+        if checkpoint is not None and not sources and reason == "join":
             # The stage trained before. Its peers' records may have lapsed for a moment (a DHT store that waits on an
             # unresponsive node): look again for one record lifetime before falling back to an older checkpoint.
+            # (A move to a stage nobody serves follows two looks that found it empty: no need to wait again.)
             sources = await self._wait_for_sources(stage)
         shapes = stage_state_shapes(self.manifest, stage)
         for source in [s for s in sources for _ in range(STATE_ATTEMPTS)]:
@@ -79,20 +85,29 @@ class StateTakeover:
             except Exception as e:  # a refusal, a timeout or a malformed state: try again, then another
                 logger.warning(f"state download of stage {stage} from {source.peer_id[-8:]} failed: {e!r}")
                 await asyncio.sleep(RETRY_PAUSE)
+        if await self._from_checkpoints(server, checkpoint, last_steps, reason):
+            return True
         if checkpoint is not None:
             try:
                 await server.load_state(checkpoint.items, checkpoint.counters)
                 age = (time.time() - checkpoint.saved_at) / 60
+                behind = max(0, last_steps - checkpoint.optimizer_steps)
                 logger.info(
                     f"resumed stage {stage} from checkpoint {checkpoint.path} "
-                    f"({checkpoint.optimizer_steps} optimizer steps, saved {age:.1f} min ago)"
+                    f"({checkpoint.optimizer_steps} optimizer steps, saved {age:.1f} min ago, {behind} steps behind "
+                    "the stage's last announced state)"
                 )
-                self._report(stage, StateSource.CHECKPOINT, "", checkpoint.counters, 0.0, reason)
+                self._report(stage, StateSource.CHECKPOINT, "", checkpoint.counters, 0.0, reason, behind)
                 return True
             except Exception as e:  # it passed the file checks but does not fit this stage's model
                 logger.error(f"checkpoint {checkpoint.path} does not fit stage {stage}: {e}; not loaded")
         if sources:
             return False
+        if last_steps > 0:
+            logger.warning(
+                f"stage {stage} had trained {last_steps} optimizer steps, and no peer has its state or a checkpoint "
+                "of it any more: it starts again"
+            )
         if self.manifest.pretrained.path:
             begin = time.monotonic()
             params = await asyncio.to_thread(pretrained.stage_parameters, self.manifest, stage)
@@ -105,6 +120,46 @@ class StateTakeover:
         logger.info(f"no online peer serves stage {stage} and no checkpoint of it: starting afresh")
         self._report(stage, StateSource.FRESH, "", {}, 0.0, reason)
         return True
+
+    async def _from_checkpoints(
+        self, server: StageServer, own: Checkpoint | None, last_steps: int, reason: str
+    ) -> bool:
+        """The freshest checkpoint of the stage that another peer keeps (server/checkpoint_sharing.py), if it went
+        further than this peer's own (`own`): loaded, and reported with how many optimizer steps it is behind the
+        stage's last announced state. False if there is none, or none could be had."""
+        stage = server.stage
+        try:
+            records = await fetch_checkpoint_records(self.view.dht, self.manifest)
+        except Exception as e:  # a DHT timeout: as if nobody kept one
+            logger.warning(f"reading which peers keep checkpoints of stage {stage} failed: {e!r}")
+            return False
+        own_progress = progress(own.counters) if own is not None else (-1, -1)
+        shapes = stage_state_shapes(self.manifest, stage)
+        for peer_id, kept in freshest(records, stage, exclude=self.peer_id)[:CHECKPOINT_SOURCES]:
+            if kept.progress <= own_progress:
+                break
+            begin = time.monotonic()
+            try:
+                items, counters = await download_state(
+                    self.p2p, peer_id, self.manifest, stage, shapes, state_deadline(shapes, STATE_DOWNLOAD_FLOOR),
+                    from_checkpoint=True,
+                )  # fmt: skip
+                if counters != kept.counters:  # it saved another one since, or it announced what it did not keep
+                    raise CheckpointError(f"it announced {kept.counters} and sent {counters}")
+                await server.load_state(items, counters)
+            except Exception as e:  # a refusal, a timeout, a state that fails its checks: the next one
+                logger.warning(f"the checkpoint of stage {stage} at peer {peer_id[-8:]} could not be had: {e!r}")
+                continue
+            seconds, behind = time.monotonic() - begin, max(0, last_steps - kept.optimizer_steps)
+            age = (time.time() - kept.saved_at) / 60
+            logger.info(
+                f"recovered stage {stage} from the checkpoint of peer {peer_id[-8:]} in {seconds:.1f}s "
+                f"({kept.optimizer_steps} optimizer steps, saved {age:.1f} min ago, {behind} steps behind the "
+                "stage's last announced state)"
+            )
+            self._report(stage, StateSource.CHECKPOINT, peer_id, counters, seconds, reason, behind)
+            return True
+        return False
 
     async def catch_up(self, server: StageServer) -> StateSource:
         """On resuming after a pause: the state of an online peer of the stage that went further than this peer's
@@ -159,9 +214,16 @@ class StateTakeover:
         return []
 
     def _report(
-        self, stage: int, source: StateSource, peer_id: str, counters: dict[str, int], seconds: float, reason: str
+        self,
+        stage: int,
+        source: StateSource,
+        peer_id: str,
+        counters: dict[str, int],
+        seconds: float,
+        reason: str,
+        behind: int = 0,
     ) -> None:
-        fields = {"stage": stage, "source": str(source), "peer_id": peer_id}
+        fields = {"stage": stage, "source": str(source), "peer_id": peer_id, "steps_behind": behind}
         fields.update(optimizer_steps=counters.get("optimizer_steps", 0))
         fields.update(averaging_round=counters.get("averaging_round", 0), seconds=round(seconds, 2), reason=reason)
         self.on_event(Event(EventKind.STATE_TAKEN, fields))

@@ -116,6 +116,18 @@ class DataRPC(_Service):
         raise _declared("rpc_piece")
 
 
+class CheckpointRPC(_Service):
+    """What every peer that keeps checkpoints answers: the state of a stage from its checkpoint, in the form of
+    rpc_download_state's reply, even for a stage it no longer serves (swarm/server/checkpoint_sharing.py)."""
+
+    SERVICE = "CheckpointService"
+    NAMESPACE = "swarm.checkpoints"
+
+    async def rpc_checkpoint(self, requests: AsyncIterator[Request], context: P2PContext) -> AsyncIterator[Reply]:
+        """The state of the stage the request names, from this peer's checkpoint of it, streamed."""
+        raise _declared("rpc_checkpoint")
+
+
 class ReachabilityRPC(_Service):
     """What every peer answers for a peer that starts: "can you dial me back?" (swarm/server/reachability.py)."""
 

@@ -142,3 +142,21 @@ def load_state_tensors(
                     # AdamW keeps "step" as a float32 scalar tensor on the CPU; the rest on the parameter's device
                     state[key] = value.clone() if key == "step" else value.to(p.device, p.dtype).clone()
             optimizer.state[p] = state
+
+
+def check_state_layout(items: list[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Check a received state against the layout `shapes` (stage_state_shapes) without a model: known names, each
+    once, their shapes, float32, finite values, every parameter present. BadRequestError if anything does not fit.
+    (What a backup checks before it keeps a state for others: the peer that loads it checks it again, fully.)"""
+    seen: set[str] = set()
+    for name, tensor in items:
+        if name not in shapes or name in seen:
+            raise BadRequestError(f"the state holds {name[:200]!r} unexpectedly (unknown, or twice)")
+        if tuple(tensor.shape) != shapes[name] or tensor.dtype != torch.float32:
+            raise BadRequestError(f"state tensor {name!r} is {tensor.dtype} {list(tensor.shape)}")
+        if not math.isfinite(float(tensor.double().sum())):
+            raise BadRequestError(f"state tensor {name!r} holds NaN or Inf")
+        seen.add(name)
+    missing = [name for name in shapes if name.startswith("param/") and name not in seen]
+    if missing:
+        raise BadRequestError(f"the state lacks {len(missing)} parameters, e.g. {missing[0]!r}")
