@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from swarm.balancing.spans import SpanPeer, better_span, choose_span, coverage, upper_bound  # noqa: E402
+from swarm.balancing.spans import SpanPeer, better_span, choose_span, coverage, holders, upper_bound  # noqa: E402
 from swarm.capacity.costs import MemorySettings, span_lengths  # noqa: E402
 from swarm.capacity.plan import block_samples_per_second, span_bytes_per_sample, stage_work  # noqa: E402
 from swarm.manifests.manifest import Manifest  # noqa: E402
@@ -130,7 +130,8 @@ class Swarm:
 
     def __init__(self, manifest: Manifest, spans: bool, rng: random.Random):
         self.manifest, self.spans, self.rng = manifest, spans, rng
-        self.min_gain = manifest.balancing.min_gain
+        self.min_gain, self.min_holders = manifest.balancing.min_gain, manifest.balancing.min_holders
+        self.states_lost = 0  # (departure, stage) where the stage's last holder with its state left
         self.work = stage_work(manifest)
         self.peers: dict[int, SpanPeer] = {}
         self.ready: dict[int, float] = {}  # when a joining (or moving) peer starts serving its span
@@ -155,7 +156,12 @@ class Swarm:
             volunteer.uplink / 8 / self.bytes_per_sample,
         )
         span = choose_span(
-            peer, self._serving(now, include_joining=True), self.lengths_of(volunteer), self.work, self.rng
+            peer,
+            self._serving(now, include_joining=True),
+            self.lengths_of(volunteer),
+            self.work,
+            self.rng,
+            self.min_holders,
         )
         if span is None:
             return  # trains only
@@ -163,9 +169,18 @@ class Swarm:
         self.ready[volunteer.number] = now + JOIN_SECONDS
         self.next_check[volunteer.number] = now + JOIN_SECONDS + self._check_delay()
 
-    def leave(self, volunteer: Volunteer) -> None:
-        self.peers.pop(volunteer.number, None)
-        self.moving_from.pop(volunteer.number, None)
+    def leave(self, volunteer: Volunteer, now: float) -> None:
+        """It leaves without warning: a stage it held with its state, and no other serving peer holds, loses its
+        trained state (a joining or moving peer has none yet: it downloads it while it joins)."""
+        number = volunteer.number
+        if number in self.peers:
+            held = self.peers[number] if self.ready[number] <= now else self.moving_from.get(number)
+            others = [p for p in self._serving(now) if p.peer_id != str(number)]
+            counts = holders(others, len(self.work))
+            if held is not None:
+                self.states_lost += sum(1 for stage in range(held.start, held.end) if counts[stage] == 0)
+        self.peers.pop(number, None)
+        self.moving_from.pop(number, None)
 
     def check(self, volunteer: Volunteer, now: float) -> None:
         number = volunteer.number
@@ -174,7 +189,8 @@ class Swarm:
         self.next_check[number] = now + self._check_delay()
         peer = self.peers[number]
         others = [p for n, p in self.peers.items() if n != number]
-        span = better_span(peer, others, self.lengths_of(volunteer), self.work, self.rng, self.min_gain)
+        lengths = self.lengths_of(volunteer)
+        span = better_span(peer, others, lengths, self.work, self.rng, self.min_gain, self.min_holders)
         if span is not None and now >= self.ready[number]:
             self.moving_from[number] = peer  # it downloads the new span's state, serving the old one meanwhile
             self.peers[number] = SpanPeer(peer.peer_id, peer.compute, peer.network, *span)
@@ -260,7 +276,7 @@ def run(manifest: Manifest, spans: bool, people: list[Volunteer], hours: float, 
         present = [v for v in people if v.arrives <= now < v.leaves]
         for volunteer in people:
             if volunteer.number in joined and volunteer.leaves <= now:
-                swarm.leave(volunteer)
+                swarm.leave(volunteer, now)
                 joined.discard(volunteer.number)
         for volunteer in present:
             if volunteer.number not in joined:
@@ -293,6 +309,7 @@ def run(manifest: Manifest, spans: bool, people: list[Volunteer], hours: float, 
         "share_of_instant_reference_min": round(min(instant), 3),
         "participation_mean": round(sum(participation) / len(participation), 3),
         "moves": swarm.moves,
+        "states_lost": swarm.states_lost,
     }
 
 
@@ -305,6 +322,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="fixed-24GB,fixed-8GB,spans", help="the swarms to run")
     parser.add_argument("--min-gain", type=float, default=None, help="balancing.min_gain (default: the preset's)")
+    parser.add_argument(
+        "--min-holders", type=int, default=None, help="balancing.min_holders: spare holders (default: the preset's)"
+    )
     args = parser.parse_args()
     result: dict = {"settings": vars(args), "gpus_at_least_8gb": sum(g[3] for g in GPUS if g[1] >= 8) / 100}
     began = time.monotonic()
@@ -312,7 +332,8 @@ def main() -> None:
         shape = shapes()[name]
         people = volunteers(args.peers, args.hours, args.session_hours, random.Random(args.seed))
         model = shape["model"]
-        balancing = None if args.min_gain is None else {"min_gain": args.min_gain}
+        balancing = {} if args.min_gain is None else {"min_gain": args.min_gain}
+        balancing |= {} if args.min_holders is None else {"min_holders": args.min_holders}
         one_block = new_manifest(
             name,
             shape["preset"],
@@ -351,7 +372,7 @@ def main() -> None:
                 f"min {r['share_of_bound_min']:.3f}; of reference mean {r['share_of_reference_mean']:.3f} "
                 f"min {r['share_of_reference_min']:.3f} (instant: mean {r['share_of_instant_reference_mean']:.3f} "
                 f"min {r['share_of_instant_reference_min']:.3f}); participation {r['participation_mean']:.2f}, "
-                f"{r['moves']} moves",
+                f"{r['moves']} moves, {r['states_lost']} stage states lost",
                 file=sys.stderr,
             )
     result["seconds"] = round(time.monotonic() - began, 1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarm.architectures.model import StageModel, count_parameters
-from swarm.balancing.spans import SpanPeer, better_span, choose_span, coverage, upper_bound
+from swarm.balancing.spans import SpanPeer, better_span, choose_span, coverage, holders, upper_bound
 from swarm.capacity.budget import MemoryBudget, check_fits, parse_memory, usable_budget
 from swarm.capacity.costs import MemorySettings, activation_bytes_per_token, longest_span, span_cost, span_lengths
 from swarm.capacity.plan import parse_expect, plan_swarm
@@ -173,6 +173,33 @@ def test_a_peer_steps_aside_so_that_another_can_fill_a_stage_nobody_serves():
     # before "a" moves, "b" does not step back to [3, 4], though that would raise the sorted coverage
     b_moved = SpanPeer("b", 3.0, 100.0, 2, 4)
     assert better_span(b_moved, [peers["a"]], lengths, blocks, random.Random(0)) is None
+
+
+def test_spare_holders_come_before_throughput_where_memory_allows():
+    """Stage 3 is held by one (fast) peer only; the fast peer at [0, 2] raises the bottleneck (stage 0) by staying,
+    but with min_holders 2 it moves to give stage 3 a second holder (its state would otherwise go with one peer),
+    where stage 0 keeps two; and a newcomer goes to the thinnest stages first. With min_holders 1 (throughput
+    only) neither happens."""
+    blocks, lengths = [1.0] * 4, [2, 2, 2, 0]
+    others = [
+        SpanPeer("a", 2.0, 100.0, 0, 2),
+        SpanPeer("b", 2.0, 100.0, 0, 2),
+        SpanPeer("c", 20.0, 100.0, 2, 4),
+        SpanPeer("d", 2.0, 100.0, 1, 3),
+    ]
+    fast = SpanPeer("fast", 8.0, 100.0, 0, 2)
+    assert holders([*others, fast], 4) == [3, 4, 2, 1]
+    assert better_span(fast, others, lengths, blocks, random.Random(0), min_gain=0.1, min_holders=1) is None
+    moved = better_span(fast, others, lengths, blocks, random.Random(0), min_gain=0.1, min_holders=2)
+    assert moved == (2, 4)
+    after = SpanPeer("fast", 8.0, 100.0, *moved)
+    assert holders([*others, after], 4) == [2, 3, 3, 2]
+    # once every stage has two holders, it does not move back for throughput's sake within min_gain... nor for holders'
+    assert better_span(after, others, lengths, blocks, random.Random(0), min_gain=0.1, min_holders=2) is None
+    # a newcomer fills the stage a single peer holds, not the throughput's bottleneck
+    new = SpanPeer("new", 2.0, 100.0)
+    assert choose_span(new, [*others, fast], lengths, blocks, random.Random(0), min_holders=1) == (0, 2)
+    assert choose_span(new, [*others, fast], lengths, blocks, random.Random(0), min_holders=2) == (2, 4)
 
 
 def test_in_a_swarm_of_many_peers_a_stage_a_move_worth_a_tenth_of_the_peer_itself_happens():

@@ -9,6 +9,12 @@ the samples per second all peers serving a stage can take) best, compared lowest
 next weakest stage, ...), as Petals' block_selection places a server's blocks where throughput is lowest.
 
 A peer's throughput over a span: min(compute / blocks, network): `SpanPeer.rate`.
+
+Spare holders: a stage's trained state lives only on the peers that serve it, and a volunteer can vanish at any
+moment. So before throughput, placement looks at holders: every stage held by someone first, then every stage
+held by at least `min_holders` peers (balancing.min_holders, 2 by default) where memory allows, and only then the
+sorted coverage. A peer that joins fills the thinnest stages first, and a serving peer moves, without hysteresis,
+when that gives a stage nobody or a single peer holds another holder (`toward_full_cover`).
 """
 
 from __future__ import annotations
@@ -81,20 +87,36 @@ def choose_span(
     lengths: Sequence[int],
     blocks_per_stage: Sequence[float],
     rng: random.Random,
+    min_holders: int = 1,
 ) -> tuple[int, int] | None:
     """The span (start, end) where `peer`, serving as many stages as fit from there (`lengths[start]`), leaves the
-    swarm's coverage best (lowest stages first); None if no stage fits at all. Ties go at random."""
+    most stages held, then the most held by `min_holders` peers, then the swarm's coverage best (lowest stages
+    first); None if no stage fits at all. Ties go at random."""
     if len(lengths) != len(blocks_per_stage):
         raise BalancingError(f"{len(lengths)} span lengths for {len(blocks_per_stage)} stages")
     if peer.compute < 0 or peer.network < 0:
         raise BalancingError(f"peer {peer.peer_id} announces a negative throughput")
-    totals = coverage([o for o in others if o.peer_id != peer.peer_id], blocks_per_stage)
+    others = [o for o in others if o.peer_id != peer.peer_id]
+    totals = coverage(others, blocks_per_stage)
+    counts = holders(others, len(blocks_per_stage))
     options = [(start, start + length) for start, length in enumerate(lengths) if length > 0]
     if not options:
         return None
-    scored = [(_score(totals, peer, start, end, blocks_per_stage), (start, end)) for start, end in options]
+    scored = [
+        ((*_held(counts, (0, 0), span, min_holders), _score(totals, peer, *span, blocks_per_stage)), span)
+        for span in options
+    ]
     best = max(score for score, _ in scored)
     return rng.choice([span for score, span in scored if score == best])
+
+
+def _held(counts: list[int], old: tuple[int, int], new: tuple[int, int], min_holders: int) -> tuple[int, int]:
+    """(stages held by someone, stages held by at least min_holders peers) once a peer moves from `old` to `new`
+    (old = (0, 0): a peer that joins); (-1, -1) for a move that would leave a stage nobody holds."""
+    after = _moved(counts, old, new)
+    if after is None:
+        return -1, -1
+    return sum(c > 0 for c in after), sum(c >= min_holders for c in after)
 
 
 def better_span(
@@ -104,6 +126,7 @@ def better_span(
     blocks_per_stage: Sequence[float],
     rng: random.Random,
     min_gain: float = 0.1,
+    min_holders: int = 1,
 ) -> tuple[int, int] | None:
     """Where `peer` (serving peer.start..peer.end) should move, or None (stay). It moves when the swarm's sorted
     coverage rises by more than `min_gain` of the bottleneck at the first stage that changes, weakest first: the
@@ -111,14 +134,16 @@ def better_span(
     move helps without lowering a weaker one. Each move raises that sorted vector, so moves made one after another
     never cycle; min_gain is the hysteresis that keeps noise and stale records from moving peers back and forth
     (a move costs a state download), as a share of the bottleneck or of the peer's own rate, whichever is less.
-    While a stage has nobody, holding every stage comes first (`toward_full_cover`), with no hysteresis."""
+    While a stage has nobody, or fewer than `min_holders` peers, holding every stage comes first, then holding each
+    by min_holders peers (`toward_full_cover`), with no hysteresis."""
     others = [o for o in others if o.peer_id != peer.peer_id]
     now = sorted(coverage([*others, peer], blocks_per_stage))
     held_more = False
-    if peer.end > peer.start and 0 in holders([*others, peer], len(blocks_per_stage)):
-        (start, end), held_more = toward_full_cover(peer, others, lengths, blocks_per_stage, rng)
+    if peer.end > peer.start and min(holders([*others, peer], len(blocks_per_stage))) < max(min_holders, 1):
+        (start, end), held_more = toward_full_cover(peer, others, lengths, blocks_per_stage, rng, min_holders)
     else:
-        start, end = choose_span(peer, others, lengths, blocks_per_stage, rng) or (peer.start, peer.end)
+        # (holders first: a move never takes a stage below min_holders peers for throughput's sake)
+        start, end = choose_span(peer, others, lengths, blocks_per_stage, rng, min_holders) or (peer.start, peer.end)
     if (start, end) == (peer.start, peer.end):
         return None
     if held_more:  # a stage nobody served gets a peer (now, or by the move this one makes room for)
@@ -161,6 +186,8 @@ def _held_after_one_more_move(others: Sequence[SpanPeer], counts: list[int]) -> 
     """The most stages held after one more move by one of `others`, each keeping the length of its span (what its
     memory is known to hold; it may hold more)."""
     stages, best = len(counts), sum(c > 0 for c in counts)
+    if best == stages:
+        return best  # every stage is held already
     for other in others:
         length = min(other.end, stages) - max(other.start, 0)
         for start in range(stages) if length > 0 else ():
@@ -177,12 +204,14 @@ def toward_full_cover(
     lengths: Sequence[int],
     blocks_per_stage: Sequence[float],
     rng: random.Random,
+    min_holders: int = 1,
 ) -> tuple[tuple[int, int], bool]:
-    """Where a serving `peer` goes while some stage has nobody: the span that leaves the most stages held, then the
-    most held after one more move by another peer (stepping aside so that another peer can fill the hole: with
-    small peers at [1, 3] and [3, 4] and stage 0 empty, [3, 4] -> [2, 4] lets the other go to [0, 2]; no single move
-    fills it, as each would leave a stage only its peer holds), then the best sorted coverage. Its own span is one
-    of the choices. Second: whether the span found holds more stages than staying, now or after that next move."""
+    """Where a serving `peer` goes while some stage has nobody (or fewer than `min_holders` peers): the span that
+    leaves the most stages held, then the most held after one more move by another peer (stepping aside so that
+    another peer can fill the hole: with small peers at [1, 3] and [3, 4] and stage 0 empty, [3, 4] -> [2, 4] lets
+    the other go to [0, 2]; no single move fills it, as each would leave a stage only its peer holds), then the
+    most held by min_holders peers, then the best sorted coverage. Its own span is one of the choices. Second:
+    whether the span found holds more stages (or more by min_holders peers) than staying."""
     stages = len(blocks_per_stage)
     counts = holders([*others, peer], stages)
     current = (peer.start, peer.end)
@@ -194,7 +223,11 @@ def toward_full_cover(
         if after is None:
             continue
         moved = SpanPeer(peer.peer_id, peer.compute, peer.network, *span)
-        held = (sum(c > 0 for c in after), _held_after_one_more_move(others, after))
+        held = (
+            sum(c > 0 for c in after),
+            _held_after_one_more_move(others, after),
+            sum(c >= min_holders for c in after),
+        )
         scored.append((held, _score(totals, moved, *span, blocks_per_stage), span))
     best = max((held, score) for held, score, _ in scored)
     span = rng.choice([span for held, score, span in scored if (held, score) == best])

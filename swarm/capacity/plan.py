@@ -195,14 +195,15 @@ def plan_swarm(
     owners: list[MachineKind] = []
     for index, kind in enumerate(arrivals):
         peer = _peer(manifest, kind, index, mfu)
-        span = choose_span(peer, peers, lengths[kind.name], work, rng)
+        span = choose_span(peer, peers, lengths[kind.name], work, rng, manifest.balancing.min_holders)
         if span is not None:
             peers.append(SpanPeer(peer.peer_id, peer.compute, peer.network, *span))
             owners.append(kind)
     for _ in range(MOVE_PASSES):
         moved = False
         for i, peer in enumerate(peers):
-            span = better_span(peer, peers, lengths[owners[i].name], work, rng)
+            min_gain, min_holders = manifest.balancing.min_gain, manifest.balancing.min_holders
+            span = better_span(peer, peers, lengths[owners[i].name], work, rng, min_gain, min_holders)
             if span is not None:
                 peers[i] = SpanPeer(peer.peer_id, peer.compute, peer.network, *span)
                 moved = True

@@ -159,6 +159,9 @@ class BalancingConfig:
     # each peer serves as many consecutive stages as its memory holds (a span), where the swarm is weakest; false:
     # one stage each (docs/ARCHITECTURE.md, "Spans and memory"). Swarms made for spans have one block a stage
     spans: bool = False
+    # spans: where memory allows, every stage is held by at least this many peers before throughput counts, so that
+    # one peer that vanishes takes no stage's trained state with it (swarm/balancing/spans.py)
+    min_holders: int = 2
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,7 @@ def manifest_from_dict(raw: Any) -> Manifest:
         check_period=b.number("check_period", minimum=1.0, maximum=86400.0),
         min_gain=b.number("min_gain", minimum=0.0, maximum=10.0),
         spans=b.boolean("spans"),
+        min_holders=b.integer("min_holders", minimum=1, maximum=16),
     )
     b.no_unknown()
 

@@ -335,8 +335,10 @@ class Peer:
             return
         try:
             sole = await handover.sole_stages(servers, self.context.view, self.context.peer_id)
-            if sole and not await handover.anyone_else(self.context.view, self.context.peer_id):
-                return  # alone in the swarm: nobody to hand them to (its checkpoints keep them)
+            if sole and not await handover.someone_could_take(self.context.view, self.context.peer_id):
+                stages = [server.stage for server in sole]
+                logger.info(f"only this peer serves stages {stages}, and no peer could take them over")
+                return  # nobody to hand them to (its checkpoints keep them)
         except Exception as e:  # the DHT did not answer: nothing to wait for that could be seen
             logger.warning(f"could not tell which stages only this peer serves: {e!r}")
             return

@@ -10,7 +10,8 @@ stages to be restarted from an older checkpoint, or afresh. So, for each such st
 2. hands its state to the peer that takes the stage over (rpc_download_state answers while it is leaving;
    server/takeover.py downloads from leaving peers when no online peer has the stage);
 3. stops once another peer announces the stage online, or when nobody started to take it over within
-   `start_within` seconds (no peer joining the stage, no download of its state in flight), or when its owner asks
+   `start_within` seconds (no peer joining the stage, no download of its state in flight), or when no peer that
+   could take it is left (the swarm stops too, or the others are pinned to their stages), or when its owner asks
    again (a second Ctrl-C: `hurry`). Its last checkpoint is saved either way, and other peers can fetch it from
    there while it is back (server/checkpoint_sharing.py).
 
@@ -61,15 +62,31 @@ async def sole_stages(servers: Sequence[StageServer], view: AnnouncementCache, p
 
 
 async def anyone_else(view: AnnouncementCache, peer_id: str) -> bool:
-    """Whether any other peer serves (or joins, or keeps paused) a stage of the swarm: a peer alone in its swarm
-    has nobody to hand its stages to, and stops at once."""
+    """Whether any other peer could take a stage over: one that serves (or joins) a stage and may move (a peer
+    pinned to its stage with --stage never does). A peer with nobody to hand its stages to stops at once; so does
+    one whose swarm stops with it (the others announce that they leave)."""
     now = get_dht_time()
-    states = (PeerState.ONLINE, PeerState.JOINING, PeerState.PAUSED)
+    states = (PeerState.ONLINE, PeerState.JOINING)
     return any(
-        a.peer_id != peer_id and a.state in states and a.expiration > now
+        a.peer_id != peer_id and a.state in states and not a.pinned and a.expiration > now
         for announcements in await view.all_stages()
         for a in announcements
     )
+
+
+LOOKS_FOR_TAKERS = 3  # reads of the records before a peer concludes that nobody could take its stages
+
+
+async def someone_could_take(view: AnnouncementCache, peer_id: str) -> bool:
+    """`anyone_else`, read afresh up to LOOKS_FOR_TAKERS times a second apart: a DHT read can miss a record that
+    was just written (another node answered), and a peer that stops for nobody must be sure of it."""
+    for look in range(LOOKS_FOR_TAKERS):
+        if look:
+            await asyncio.sleep(LOOK_PERIOD)
+            await view.all_stages(force=True)
+        if await anyone_else(view, peer_id):
+            return True
+    return False
 
 
 async def _being_taken(view: AnnouncementCache, server: StageServer, peer_id: str) -> bool:
@@ -116,7 +133,7 @@ async def hand_over(
                 logger.info(f"stage {server.stage} was taken over by another peer")
             elif await _being_taken(view, server, peer_id):
                 last_activity = time.monotonic()
-        if time.monotonic() - last_activity > start_within:
+        if time.monotonic() - last_activity > start_within or not await anyone_else(view, peer_id):
             break
     handover = Handover(tuple(stages), tuple(sorted(taken)), time.monotonic() - begin, hurry.is_set())
     if handover.left_behind:

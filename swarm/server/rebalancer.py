@@ -176,7 +176,7 @@ class Rebalancer:
             )
             return stage, stage + 1
         others = span_peers(loads, self.work, exclude=self.peer_id)
-        span = choose_span(self._me(), others, self.lengths, self.work, self.rng)
+        span = choose_span(self._me(), others, self.lengths, self.work, self.rng, self.manifest.balancing.min_holders)
         assert span is not None, "a peer that holds no stage was refused at start"
         return span
 
@@ -189,7 +189,7 @@ class Rebalancer:
         assert self.per_block is not None
         me = SpanPeer(self.peer_id, self.per_block.compute, self.per_block.network, start, end)
         others = span_peers(loads, self.work, exclude=self.peer_id)
-        return better_span(me, others, self.lengths, self.work, self.rng, min_gain=0.0)
+        return better_span(me, others, self.lengths, self.work, self.rng, 0.0, self.manifest.balancing.min_holders)
 
     def _is_bottleneck(self, loads: list[PeerLoad], stage: int) -> bool:
         others = [load for load in loads if load.peer_id != self.peer_id]
@@ -296,7 +296,8 @@ class Rebalancer:
             # a stage its memory cannot hold is not a move
             return (stage, stage + 1) if stage is not None and stage in self.fitting else None
         others = span_peers(loads, self.work, exclude=self.peer_id)
-        return better_span(self._me(), others, self.lengths, self.work, self.rng, min_gain)
+        min_holders = self.manifest.balancing.min_holders
+        return better_span(self._me(), others, self.lengths, self.work, self.rng, min_gain, min_holders)
 
     async def move(self, start: int, end: int | None = None) -> bool:
         """Move to stages [start, end) (one stage if `end` is None; see the module's docstring): the stages it does
