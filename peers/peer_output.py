@@ -87,9 +87,14 @@ def print_event(event: Event, as_json: bool) -> None:
         )
         if f.get("steps_behind"):
             text += f" ({f['steps_behind']} steps behind the stage's last announced state)"
+    elif event.kind == EventKind.PAUSING:
+        text = (
+            f"pausing ({f['reason']}): finishing {f['in_flight']} requests in flight at stages {f['stages']}"
+            f" and {f['trainer_in_flight']} of this peer's own microbatches, then freeing the device"
+        )
     elif event.kind == EventKind.PAUSED:
         text = (
-            f"paused: stages {f['stages']} drained and parked in RAM in {f['seconds']} s, "
+            f"paused: stages {f['stages']} drained and parked in RAM; the pause took {f['seconds']} s in all, "
             f"{f['device_bytes_freed'] / 2**20:.0f} MiB of device memory freed; resume with: kill -USR2 {os.getpid()}"
         )
     elif event.kind == EventKind.RESUMED:

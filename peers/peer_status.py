@@ -286,8 +286,9 @@ def peers_table(document: dict[str, Any]) -> Table:
         table.add_row(  # Text(): strings from the network are never read as rich markup
             Text(p["short_id"]),
             Text(p["public_name"] or "-"),
-            _stages(p.get("span") or [p["stage"], p["stage"] + 1]),
-            Text(p["status"], style=STATUS_STYLES.get(p["status"], "default")),
+            _stages(p.get("span") or [p["stage"], p["stage"] + 1])
+            + (f" -> {_stages(p['moving_to'])}" if p.get("moving_to") else ""),
+            Text(_state(p), style=STATUS_STYLES.get(p["status"], "default")),
             f"{p['throughput']:.1f}/s",
             f"{p['delivered_throughput']:.1f}/s",
             _count(p["attested_samples"]),  # what trainers vouch for in their signed reports
@@ -329,6 +330,11 @@ def _duration(seconds: float) -> str:
 def _memory(used: int, available: int) -> str:
     """'5.20 GiB of 7.20 GiB': what the peer holds of what it may use; '-' from a peer that does not say."""
     return f"{format_memory(used)} of {format_memory(available)}" if available else "-"
+
+
+def _state(peer: dict) -> str:
+    """Its status; for a peer no longer announced, whether it said it left or just vanished."""
+    return f"gone ({peer['departure']})" if peer["status"] == "gone" and peer.get("departure") else peer["status"]
 
 
 def _stages(span: list[int]) -> str:

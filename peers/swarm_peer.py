@@ -27,7 +27,7 @@ from peers.gpu_peers import run_gpu_peers
 from peers.peer_output import print_event, print_progress
 from peers.swarm_peer_args import parse_args
 from swarm.dht import joining, node
-from swarm.dht.records import announceable
+from swarm.dht.records import announceable, without_loopback_unless_only
 from swarm.errors import PeerStartError, SwarmError
 from swarm.manifests.manifest import Manifest
 from swarm.network.startup_cache import StartupCache
@@ -229,7 +229,7 @@ async def run_peer(
     maddrs = [] if args.no_listen else node.visible_maddrs(dht)  # hivemind logs an error for a non-listener
     if args.reachable:
         print("reachable at:", flush=True)
-        for addr in maddrs:
+        for addr in without_loopback_unless_only(maddrs):  # what others could dial: no 127.0.0.1 beside a real one
             print(f"  {addr}", flush=True)
     if args.new_swarm or args.write_manifest:
         if args.reachable:

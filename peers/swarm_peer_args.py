@@ -55,6 +55,9 @@ examples:
       one peer per GPU of this machine (ports 31337, 31338, ...), each with an identity of its own
   swarm-peer --join my-swarm.json --hours 22-08 --yield-gpu
       lend the machine at night, and give the GPU back whenever another program (a game) uses it
+  Ctrl-C (or kill <pid>)
+      stop; if only this peer serves some of its stages, it first hands them to the peer that takes them over
+      (at most a minute for one to start); a second Ctrl-C stops at once
   kill -USR1 <pid>   /   kill -USR2 <pid>
       pause a running peer (it drains, frees the GPU, stays in the swarm) / resume it (it catches up first);
       the peer prints its process id at start
@@ -161,7 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=300.0,
         metavar="SECONDS",
-        help="save a checkpoint this often (default: 300); 0: only when the peer stops cleanly",
+        help="save a checkpoint this often (default: 300), and as often back up a stage only one other peer "
+        "serves (at most 1 MB/s on average); 0: only when the peer stops cleanly, and no backups",
     )
     parser.add_argument(
         "--identity",

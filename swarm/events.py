@@ -14,6 +14,10 @@ Fields, by kind (every event also has `event`, its kind, and `at`, the Unix time
 - averaging_round: `stage`, `round`, `outcome` (applied, skipped, dropped, alone or caught_up), `group_size`,
   `change` (relative change of the parameters, 0 unless applied), `matchmaking_seconds` and `allreduce_seconds`
   (how long finding the group and the all-reduce took; 0 unless applied)
+- pausing: `stages`, `in_flight` (requests at its stages it waits for), `trainer_in_flight` (its trainer's
+  microbatches it waits for), `reason`
+- paused: `stages`, `seconds` (from the request to paused, drains included), `device_bytes_freed`, `trainer_drained`,
+  `reason`
 - leaving: `stages` (those only this peer serves), `start_within` (seconds it waits for a peer to take them)
 - handed_over: `stages`, `taken` (by other peers), `left_behind` (nobody took them: their training since the last
   checkpoint stays on this machine), `seconds`, `hurried` (its owner asked to stop at once)
@@ -35,6 +39,7 @@ class EventKind(StrEnum):
     STATE_TAKEN = "state_taken"
     AVERAGING_ROUND = "averaging_round"
     OUT_OF_MEMORY = "out_of_memory"  # a request ran out of memory: it was answered busy, and the stage shed work
+    PAUSING = "pausing"  # the owner asked for a pause: the peer drains what is in flight (said at once)
     PAUSED = "paused"  # the owner paused the peer: it drained, and its device memory is free
     RESUMED = "resumed"  # the owner resumed it: it caught up with its stage and serves again
     TRAINS_ONLY = "trains_only"  # a CPU peer that holds no stage, or too slowly to help, trains without serving

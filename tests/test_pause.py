@@ -4,6 +4,7 @@ resumes on SIGUSR2 (catches up with its stage, serves again), and no microbatch 
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -41,9 +42,14 @@ def test_a_paused_peer_drains_keeps_its_state_and_catches_up_when_it_resumes(sta
 
     # 1. one of stage 1's two peers pauses: it drains and parks; the other takes the stage's microbatches
     paused = replicas[0]
+    signalled = time.monotonic()
     paused.process.send_signal(signal.SIGUSR1)
+    # it says at once that it drains, and what it waits for; then how long the whole pause took
+    pausing = paused.wait_for_event("pausing", 10)
+    assert pausing["stages"] == [1] and pausing["in_flight"] >= 0 and pausing["trainer_in_flight"] == 0, pausing
     event = paused.wait_for_event("paused", 60)
     assert event["stages"] == [1] and event["seconds"] < 30 and event["device_bytes_freed"] == 0, event  # a CPU
+    assert event["seconds"] <= time.monotonic() - signalled and event["at"] >= pausing["at"]
     line = paused.wait_for_json(lambda line: line.get("state") == "paused", 30, "announced paused")
     served = line["samples_served"]
     before = trained(trainer)

@@ -20,6 +20,7 @@ from peers.peer_status import main as status_main
 from swarm.dht.records import Announcement, TrainerReport, announcement_lifetime
 from swarm.manifests.loading import load_manifest
 from swarm.manifests.validation import manifest_from_dict
+from swarm.watch.reader import SwarmReader
 from swarm.watch.status import DEGRADED, HEALTHY, exit_code, find_peer, peer_status, swarm_health
 
 NOW = 10_000.0
@@ -55,6 +56,43 @@ def test_a_peer_serving_a_span_counts_in_every_stage_of_it_and_shows_its_span():
     spans = {p["peer_id"]: p["span"] for p in doc["peers"]}
     assert spans == {"first": [0, 2], "wide": [1, 4], "gone": [3, 4]} and doc["swarm"]["peers_online"] == 2
     assert doc["health"]["bottleneck_stage"] in (2, 3)
+
+
+def test_a_moving_peer_shows_the_span_it_serves_and_the_stages_it_takes_over():
+    """During a move a peer has online records for its span and joining ones for the stages it takes over: shown
+    as [0, 2] -> [2, 4], never as one wide span [0, 4]."""
+    manifest = manifest_from_dict(
+        tiny_manifest_dict(model={"depth": 4}, stages={"count": 4}, balancing={"spans": True})
+    )
+    stages = [
+        [announcement("mover", 0)],
+        [announcement("mover", 1)],
+        [announcement("mover", 2, state="joining"), announcement("other", 2)],
+        [announcement("mover", 3, state="joining"), announcement("other", 3)],
+    ]
+    peer = find_peer(swarm_health(manifest, stages, [], NOW), "mover")[0]
+    assert peer["span"] == [0, 2] and peer["moving_to"] == [2, 4], peer
+    assert find_peer(swarm_health(manifest, stages, [], NOW), "other")[0]["moving_to"] is None
+
+
+def test_a_slow_read_does_not_make_a_fresh_peer_stale_and_departed_peers_are_told_apart():
+    """Records are aged from the start of the read: a peer that refreshed its record 0.5 s before a read that took
+    4 s (more than 2 announce periods) is online, not stale. A peer whose last record said offline and then
+    disappeared 'left'; one whose online record just stopped coming 'vanished'."""
+    reader = SwarmReader(MANIFEST, "m.json")
+    began = NOW
+    stages = [[announcement("fresh", 0), announcement("leaver", 0, state="offline")], [announcement("vanisher", 1)]]
+    document = swarm_health(MANIFEST, stages, [], began)  # as read() computes it: from the read's start
+    assert {p["peer_id"]: p["status"] for p in document["peers"]} == {
+        "fresh": "online", "leaver": "offline", "vanisher": "online"
+    }  # fmt: skip
+    late = swarm_health(MANIFEST, stages, [], began + 4.0)  # what aging from the read's end would say
+    assert {p["peer_id"]: p["status"] for p in late["peers"]}["fresh"] == "stale"
+    reader.add_gone_peers(document, began)
+    later = swarm_health(MANIFEST, [[announcement("fresh", 0, age=-9.5)], []], [], began + 10)  # refreshed since
+    reader.add_gone_peers(later, began + 10)
+    gone = {p["peer_id"]: (p["status"], p.get("departure")) for p in later["peers"]}
+    assert gone == {"fresh": ("online", None), "leaver": ("gone", "left"), "vanisher": ("gone", "vanished")}, gone
 
 
 def test_peer_status_online_stale_offline():

@@ -289,16 +289,21 @@ class Peer:
             begin, self.paused = time.monotonic(), True
             if self.trainer is not None:
                 self.trainer.paused = True
+            stages = [server.stage for server in self.rebalancer.servers]
+            fields = {"stages": stages, "in_flight": sum(server.in_flight for server in self.rebalancer.servers)}
+            fields.update(trainer_in_flight=self.trainer.in_flight if self.trainer is not None else 0, reason=reason)
+            self.on_event(Event(EventKind.PAUSING, fields))  # at once: the drain below can take a while
             if self.rebalancer.moving.locked():  # a move's state download can take minutes: say why it waits
                 logger.info(f"pausing ({reason}) once the move to another stage in progress has finished")
             async with self.rebalancer.moving:  # not in the middle of a move
                 self.rebalancer.paused = True
                 freed = [await server.pause(PAUSE_DRAIN_TIMEOUT) for server in self.rebalancer.servers]
-            seconds = time.monotonic() - begin
             drained = await self.trainer.drained(PAUSE_DRAIN_TIMEOUT) if self.trainer is not None else True
+            seconds = time.monotonic() - begin  # the whole pause, drains included: what the owner waited
             stages = [server.stage for server in self.rebalancer.servers]
             logger.info(
-                f"paused ({reason}): stages {stages} parked in RAM in {seconds:.1f}s ({sum(freed)} device bytes)"
+                f"paused ({reason}): stages {stages} drained and parked in RAM; {seconds:.1f}s in all "
+                f"({sum(freed)} device bytes freed)"
             )
             fields = {"seconds": round(seconds, 2), "device_bytes_freed": sum(freed), "stages": stages}
             fields["reason"] = reason

@@ -94,13 +94,15 @@ class StageBackups:
         now = get_dht_time()
         online = [online_peers(announcements, now) for announcements in stages]
         everyone = {a.peer_id for announcements in online for a in announcements}
+        if self.peer_id not in everyone:  # only serving peers keep backups (all peers then make the same choice)
+            return []
         served, found = self.served(), []
         for stage, holders in enumerate(online):
             if len(holders) != 1 or stage in served:
                 continue
             holder = holders[0].peer_id
             if holder == self.peer_id or self.peer_id not in backup_keepers(
-                self.manifest.swarm_id, stage, [p for p in everyone | {self.peer_id} if p != holder]
+                self.manifest.swarm_id, stage, [p for p in everyone if p != holder]
             ):
                 continue
             interval = backup_interval(self.every, state_bytes(stage_state_shapes(self.manifest, stage)))

@@ -191,6 +191,11 @@ class StageServer:
             self._tasks.append(asyncio.create_task(self._checkpoint_forever()))
         logger.info(f"serving stage {self.stage} (layers {list(self.layers)}) as {self.peer_id}")
 
+    @property
+    def in_flight(self) -> int:
+        """Requests taken on and not yet answered (what a drain waits for)."""
+        return self.admission.pending + self.forwarder.in_flight
+
     async def drain(self, timeout: float, state: PeerState = PeerState.OFFLINE) -> None:
         """Stop taking new requests (they get 'busy' replies) and wait, up to `timeout`, for those in flight."""
         self.state = state
@@ -199,7 +204,7 @@ class StageServer:
         except Exception as e:
             logger.warning(f"announcing {state} failed: {e!r}")
         deadline = time.monotonic() + timeout
-        while (self.admission.pending > 0 or self.forwarder.in_flight > 0) and time.monotonic() < deadline:
+        while self.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def leave(self, timeout: float) -> None:

@@ -1,7 +1,8 @@
 """Reading a swarm from outside, as `peer-status` and `swarm-monitor` do: records from the DHT, then a document.
 
 A `SwarmReader` remembers the peers it saw before, so that a peer whose records vanished is still shown for a
-while, as "gone", instead of silently disappearing from the table. It reads the trainers' data progress too
+while, as "gone" (with `departure`: "left" if its last record said it stopped, "vanished" if its records just
+stopped coming), instead of silently disappearing from the table. It reads the trainers' data progress too
 (`<swarm id>.data`, swarm/dataset/progress.py), summarised under "data" (swarm/watch/data_progress.py).
 """
 
@@ -57,12 +58,18 @@ class SwarmReader:
         self.seen: dict[str, dict[str, Any]] = {}  # peer id -> its last document, with the time it was seen
 
     async def read(self, dht: DHT) -> tuple[dict[str, Any], list[TrainerReport]]:
-        """(the swarm's document, the trainers' reports it was made from); SwarmError if the DHT does not answer."""
+        """(the swarm's document, the trainers' reports it was made from); SwarmError if the DHT does not answer.
+
+        Records are aged from the moment the read began: a read takes seconds on a loaded machine (or a slow DHT),
+        and a peer that refreshed its record just before it is not 'stale' because this reader was slow. The
+        document says how long the read took (`read_seconds`)."""
+        began = get_dht_time()
         (stages, reports), readers = await asyncio.gather(
             read_records(dht, self.manifest), read_reader_records(dht, self.manifest)
         )
         now = get_dht_time()
-        document = swarm_health(self.manifest, stages, reports, now, manifest_source=self.source)
+        document = swarm_health(self.manifest, stages, reports, began, manifest_source=self.source)
+        document["read_seconds"] = round(now - began, 2)
         # the swarm's reading of its data; None: the trainers' records could not be read
         data = self.manifest.data.index_sha256  # "": a raw source, whose index each trainer makes itself
         document["data"] = data_progress(readers, data) if readers is not None else None
@@ -72,7 +79,8 @@ class SwarmReader:
     def add_gone_peers(self, document: dict[str, Any], now: float) -> None:
         current = {p["peer_id"] for p in document["peers"]}
         for peer in document["peers"]:
-            self.seen[peer["peer_id"]] = {**peer, "seen_at": now}
+            if peer.get("status") != "gone":
+                self.seen[peer["peer_id"]] = {**peer, "seen_at": now}
         for key, peer in list(self.seen.items()):
             if peer["peer_id"] in current:
                 continue
@@ -80,7 +88,10 @@ class SwarmReader:
                 del self.seen[key]
             else:
                 gone = {k: v for k, v in peer.items() if k != "seen_at"}
-                gone.update(status="gone", last_seen=round(now - peer["seen_at"] + peer["last_seen"], 1))
+                # it said it left (its last record: offline), or its records just stopped: it vanished
+                departure = "left" if peer["status"] == "offline" else "vanished"
+                gone.update(status="gone", departure=departure)
+                gone.update(last_seen=round(now - peer["seen_at"] + peer["last_seen"], 1))
                 document["peers"].append(gone)
 
 

@@ -141,7 +141,7 @@ def swarm_health(
     attested = attested_samples(reports)
     for peer in peers:
         peer["attested_samples"] = attested.get(peer["peer_id"], 0)
-        peer["span"] = _span(peer, records)
+        peer["span"], peer["moving_to"] = _span(peer, records)
     peers.sort(key=lambda p: (p["stage"], p["status"] != "online", p["peer_id"]))
 
     live = [p for p in records if p["status"] in ("online", "joining")]
@@ -208,11 +208,18 @@ def swarm_health(
     }
 
 
-def _span(peer: dict[str, Any], records: list[dict[str, Any]]) -> list[int]:
-    """The stages [start, end) a peer serves: those of its live records (a peer serving a span announces one
-    record per stage), or the stage of the record shown if none is live."""
-    stages = [r["stage"] for r in records if r["peer_id"] == peer["peer_id"] and r["status"] in ("online", "joining")]
-    return [min(stages), max(stages) + 1] if stages else [peer["stage"], peer["stage"] + 1]
+def _span(peer: dict[str, Any], records: list[dict[str, Any]]) -> tuple[list[int], list[int] | None]:
+    """The stages [start, end) a peer serves (a peer serving a span announces one record per stage): its online
+    records', else its joining ones', else the stage of the record shown; and, while it moves (online records and
+    joining ones beside them), the stages it is taking over: a move is shown as a move, not as one wide span."""
+    own = [r for r in records if r["peer_id"] == peer["peer_id"]]
+    online = [r["stage"] for r in own if r["status"] == "online"]
+    joining = [r["stage"] for r in own if r["status"] == "joining"]
+    served = online or joining
+    span = [min(served), max(served) + 1] if served else [peer["stage"], peer["stage"] + 1]
+    if online and joining:
+        return span, [min(joining), max(joining) + 1]  # the stages it takes over (it keeps some online ones)
+    return span, None
 
 
 def exit_code(document: dict[str, Any]) -> int:

@@ -15,7 +15,7 @@ from swarm import PROTOCOL_VERSION
 from swarm.errors import BadRequestError
 from swarm.wire import boundary, validation
 from swarm.wire.messages import split_message
-from swarm.wire.rpc import ReachabilityRPC, StageRPC
+from swarm.wire.rpc import CheckpointRPC, ReachabilityRPC, StageRPC
 from swarm.wire.tensors import encode_tensor
 
 WIDTH, VOCAB = MANIFEST.model.width, MANIFEST.model.vocab_size
@@ -36,6 +36,7 @@ BACKWARD_STREAM = StageRPC.handle_name("rpc_backward_stream")
 TRAIN = StageRPC.handle_name("rpc_train")
 PROBE = StageRPC.handle_name("rpc_probe")
 DOWNLOAD_STATE = StageRPC.handle_name("rpc_download_state")
+CHECKPOINT = CheckpointRPC.handle_name("rpc_checkpoint")
 MANIFEST_RPC = StageRPC.handle_name("rpc_manifest")
 TOKENIZER_RPC = StageRPC.handle_name("rpc_tokenizer")
 CHECK = ReachabilityRPC.handle_name("rpc_check")

@@ -23,6 +23,7 @@ from .fuzzed_swarm import Swarm
 from .hostile import metadata_garbage
 from .messages import (
     CHECK,
+    CHECKPOINT,
     DOWNLOAD_STATE,
     MANIFEST_RPC,
     PROBE,
@@ -48,6 +49,16 @@ def test_bad_state_downloads_probes_and_manifest_requests(swarm: Swarm):
             expected = {"ok", "bad_request"} if value == stage else {"bad_request"}  # 0.0 == 0, True == 1
             clients.stream(stage, DOWNLOAD_STATE, chunks, f"rpc_download_state: stage {value!r}", expected)
         clients.stream(stage, DOWNLOAD_STATE, [state_request(stage=stage)], "rpc_download_state: valid", {"ok"})
+        # a checkpoint of any stage, from any peer (it keeps them for stages it no longer serves too)
+        for label, raw in metadata_garbage()[:8]:
+            chunks = [frame(runtime_pb2.ExpertRequest(metadata=raw).SerializeToString())]
+            clients.stream(stage, CHECKPOINT, chunks, f"rpc_checkpoint: metadata {label}", {"bad_request"})
+        for value in (None, -1, 2, "0", 0.0, True, [stage], 2**64 - 1):
+            chunks = [state_request(stage=value)]
+            clients.stream(stage, CHECKPOINT, chunks, f"rpc_checkpoint: stage {value!r}", {"bad_request"})
+        for value in (0, 1):  # none kept yet (wrong_stage), or one saved meanwhile
+            chunks = [state_request(stage=value)]
+            clients.stream(stage, CHECKPOINT, chunks, f"rpc_checkpoint: stage {value}", {"ok", "wrong_stage"})
         for _, raw in metadata_garbage()[:6]:
             data = runtime_pb2.ExpertRequest(metadata=raw).SerializeToString()
             check_manifest_reply(unparsed_or_reply(clients, stage, MANIFEST_RPC, data))

@@ -1,0 +1,258 @@
+"""Departures from a spans swarm whose blocks have one holder each: is trained state lost, how long does training
+stall, and what does it cost the model?
+
+    python benchmarks/departures.py [--samples 4000] [--min-holders 1] [--seed 0] [--runs clean,departures]
+
+A spans swarm of 4 one-block stages of the tests' small model on loopback (parameter averaging every 512 samples,
+checkpoints and backups every 5 s), five movable peers whose --max-memory caps hold 3, 2, 1, 1 and 2 blocks (the
+swarm of the issue, whose peers held 3, 5, 2, 1 and 4 of 8 blocks), and a trainer-only peer. Two runs of the same
+number of samples: "clean", and "departures", in which, once the trainer has done a quarter, a half and three
+quarters of them:
+  1. the peer with the most blocks leaves cleanly (a Ctrl-C to its process group, as a terminal sends it);
+  2. a peer that serves stage 0 leaves cleanly (its only holder, if it has one);
+  3. a peer that is the only holder of a block vanishes (all its processes SIGSTOPped: no goodbye, no handover).
+With `--min-holders 1` placement balances throughput only (blocks keep a single holder); with the default 2 the
+swarm gives blocks spare holders where memory allows (swarm/balancing/spans.py).
+
+Per departure: the trained state lost (for each `state_taken` event of the other peers in the 60 s after it, the
+optimizer steps the state was behind the stage's last announced one; a stage that had trained and started afresh
+counts as all of its steps), the longest stretch without training progress in the 60 s after it, and the leaving
+peer's own report of its handover. At the end of each run: the held-out loss of the final model (every online
+peer's parameters, each combination of one holder per stage, averaged). Prints ONE JSON line; progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from hivemind import DHT  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    download_parameters,
+    eval_batches,
+    online_by_stage,
+    stop_on_sigterm,
+    swarm_heldout_losses,
+)
+from peers.processes import PeerProcess, loopback_args, start_peer, stop_peers  # noqa: E402
+from swarm.capacity.budget import MARGIN  # noqa: E402
+from swarm.capacity.costs import MemorySettings, span_cost  # noqa: E402
+from swarm.manifests.manifest import Manifest  # noqa: E402
+from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
+from swarm.manifests.validation import manifest_from_dict  # noqa: E402
+
+STAGES = 4
+BLOCKS = [3, 2, 1, 1, 2]  # what each peer's memory holds
+WINDOW = 60.0  # seconds after a departure in which its effects are counted
+POLL = 0.2
+
+
+def manifest_dict(min_holders: int) -> dict[str, Any]:
+    return fast_test_swarm_dict(
+        model={"depth": STAGES},
+        stages={"count": STAGES},
+        balancing={"spans": True, "min_holders": min_holders, "check_period": 10.0},
+        averaging={"mode": "parameters", "every_samples": 512, "matchmaking_time": 2.0},
+    )
+
+
+def memory_cap(manifest: Manifest, blocks: int) -> str:
+    """A --max-memory under which a CPU peer holds `blocks` stages from any start, and not one more."""
+    cpu = MemorySettings(cuda=False)
+    needed = max(span_cost(manifest, s, min(s + blocks, STAGES), cpu).device_bytes for s in range(STAGES))
+    return str(int(needed / (1 - MARGIN)) + 1024)
+
+
+def log(text: str) -> None:
+    print(f"[departures] {text}", file=sys.stderr, flush=True)
+
+
+class Run:
+    """One run's swarm: its peers, the trainer's progress over time, and the departures made."""
+
+    def __init__(self, folder: Path, raw: dict[str, Any], seed: int):
+        self.folder, self.raw, self.seed = folder, raw, seed
+        self.manifest = manifest_from_dict(raw)
+        self.peers: list[PeerProcess] = []
+        self.trainer: PeerProcess | None = None
+        self.progress: list[tuple[float, int]] = []  # (time.monotonic(), trainer samples)
+        self.departures: list[dict[str, Any]] = []
+        self.stopped: list[PeerProcess] = []
+
+    def start(self) -> None:
+        flags = ("--no-trainer", "--status-every", "1", "--checkpoint-every", "5")
+        for number, blocks in enumerate(BLOCKS):
+            path = self.folder / ("manifest.json" if number == 0 else "joined.json")
+            path.write_text(json.dumps(self.raw))
+            args = loopback_args(path) + ["--max-memory", memory_cap(self.manifest, blocks), *flags]
+            args += ["--checkpoint-dir", str(self.folder / f"checkpoints-{number}")]
+            peer = start_peer(args, self.folder / f"peer-{number}.log", cache_dir=self.folder / "cache")
+            self.peers.append(peer)
+            if number == 0:
+                self.raw = {**self.raw, "initial_peers": [peer.maddr(120)]}
+            peer.wait_for_json(lambda line: line.get("state") == "online", 180, "serving")
+        joined = self.folder / "joined.json"
+        args = loopback_args(joined) + ["--trainer-only", "--status-every", "1", "--seed", str(self.seed)]
+        self.trainer = start_peer(args, self.folder / "trainer.log", cache_dir=self.folder / "cache")
+
+    def samples(self) -> int:
+        lines = self.trainer.status_lines() if self.trainer is not None else []
+        return (lines[-1].get("trainer_samples") or 0) if lines else 0
+
+    def watch_until(self, samples: int, timeout: float = 900.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (now := self.samples()) < samples:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the trainer reached {now} of {samples} samples in {timeout:.0f} s")
+            self.progress.append((time.monotonic(), now))
+            time.sleep(POLL)
+        self.progress.append((time.monotonic(), self.samples()))
+
+    def spans(self) -> dict[int, tuple[int, int]]:
+        """The span each live peer serves, as its last status line says."""
+        found = {}
+        for number, peer in enumerate(self.peers):
+            lines = peer.status_lines()
+            if peer in self.stopped or peer.process.poll() is not None or not lines:
+                continue
+            if lines[-1].get("state") == "online" and lines[-1].get("span"):
+                found[number] = tuple(lines[-1]["span"])
+        return found
+
+    def depart(self, kind: str) -> None:
+        spans = self.spans()
+        holders = {stage: [n for n, (a, b) in spans.items() if a <= stage < b] for stage in range(STAGES)}
+        if kind == "most_blocks":
+            target = max(spans, key=lambda n: spans[n][1] - spans[n][0])
+        elif kind == "stage_0":
+            target = min(holders[0], key=lambda n: len(holders[0]))
+        else:  # a sole holder of some block, else the widest
+            sole = [n for n in spans if any(holders[s] == [n] for s in range(*spans[n]))]
+            target = sole[0] if sole else max(spans, key=lambda n: spans[n][1] - spans[n][0])
+        peer = self.peers[target]
+        span = spans[target]
+        sole_blocks = [s for s in range(*span) if holders[s] == [target]]
+        log(f"{kind}: peer {target} (span {list(span)}, sole holder of {sole_blocks}) leaves")
+        record = {"kind": kind, "peer": target, "span": list(span), "sole_blocks": sole_blocks}
+        record.update(at=time.time(), monotonic=time.monotonic(), samples=self.samples())
+        if kind == "vanish":
+            peer.signal_all(signal.SIGSTOP)
+        else:
+            peer.signal_group(signal.SIGINT)
+        self.stopped.append(peer)
+        self.departures.append(record)
+
+    def finish_departures(self) -> None:
+        """What each departure cost, once the run is over."""
+        for record in self.departures:
+            end = record["monotonic"] + WINDOW
+            points = [(t, s) for t, s in self.progress if record["monotonic"] <= t <= end]
+            record["stall_s"] = round(longest_stall(points, record["monotonic"]), 1)
+            taken = [
+                event
+                for number, peer in enumerate(self.peers)
+                if number != record["peer"]
+                for event in peer.events("state_taken")
+                if record["at"] <= event["at"] <= record["at"] + WINDOW
+            ]
+            record["states_taken"] = [
+                {k: e[k] for k in ("stage", "source", "steps_behind", "optimizer_steps", "reason")} for e in taken
+            ]
+            record["steps_rolled_back"] = sum(e["steps_behind"] for e in taken)
+            record["stages_restarted_afresh"] = sorted(
+                {e["stage"] for e in taken if e["source"] in ("fresh", "pretrained") and e["steps_behind"] > 0}
+            )
+            leaver = self.peers[record["peer"]]
+            handed = leaver.events("handed_over")
+            record["handover"] = {k: handed[-1][k] for k in ("taken", "left_behind", "seconds")} if handed else None
+            del record["monotonic"]
+
+    async def heldout(self, batches) -> float:
+        dht = DHT(initial_peers=self.raw["initial_peers"], start=True, client_mode=True)
+        try:
+            p2p = await dht.replicate_p2p()
+            online = await online_by_stage(dht, self.manifest)
+            states = await download_parameters(p2p, self.manifest, online, on_error=lambda *e: None)
+            losses = swarm_heldout_losses(self.manifest, states, batches)
+            return sum(losses) / len(losses)
+        finally:
+            dht.shutdown()
+
+    def stop(self) -> None:
+        for peer in self.stopped:
+            peer.signal_all(signal.SIGCONT)
+        stop_peers([p for p in [*self.peers, self.trainer] if p is not None], grace=20)
+
+
+def longest_stall(points: list[tuple[float, int]], since: float) -> float:
+    """The longest time between two increases of the sample count, from `since` on."""
+    longest, last_change, last_count = 0.0, since, None
+    for t, count in points:
+        if last_count is not None and count > last_count:
+            longest, last_change = max(longest, t - last_change), t
+        last_count = count
+    if points:
+        longest = max(longest, points[-1][0] - last_change)
+    return longest
+
+
+def run(name: str, args: argparse.Namespace, batches) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix=f"swarm-departures-{name}-"))
+    swarm = Run(folder, manifest_dict(args.min_holders), args.seed)
+    began = time.monotonic()
+    try:
+        swarm.start()
+        if name == "departures":
+            for fraction, kind in ((0.25, "most_blocks"), (0.5, "stage_0"), (0.75, "vanish")):
+                swarm.watch_until(int(args.samples * fraction))
+                swarm.depart(kind)
+        swarm.watch_until(args.samples)
+        loss = asyncio.run(swarm.heldout(batches))
+        swarm.finish_departures()
+        log(f"{name}: held-out loss {loss:.4f} after {args.samples} samples")
+        return {"heldout_loss": round(loss, 4), "seconds": round(time.monotonic() - began, 1), **_departures(swarm)}
+    finally:
+        swarm.stop()
+
+
+def _departures(swarm: Run) -> dict[str, Any]:
+    if not swarm.departures:
+        return {}
+    return {
+        "departures": swarm.departures,
+        "steps_rolled_back": {d["kind"]: d["steps_rolled_back"] for d in swarm.departures},
+        "stall_s": {d["kind"]: d["stall_s"] for d in swarm.departures},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=4000, help="samples the trainer trains in each run")
+    parser.add_argument("--min-holders", type=int, default=2, help="balancing.min_holders (1: no spare holders)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", default="clean,departures")
+    args = parser.parse_args(argv)
+    stop_on_sigterm()
+    batches = eval_batches(manifest_from_dict(manifest_dict(args.min_holders)), 16)
+    results = {name: run(name, args, batches) for name in args.runs.split(",")}
+    summary: dict[str, Any] = {"settings": vars(args), **results}
+    if "clean" in results and "departures" in results:
+        summary["heldout_ratio"] = round(results["departures"]["heldout_loss"] / results["clean"]["heldout_loss"], 4)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
