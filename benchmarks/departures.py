@@ -4,8 +4,9 @@ stall, and what does it cost the model?
     python benchmarks/departures.py [--samples 4000] [--min-holders 1] [--seed 0] [--runs clean,departures]
 
 A spans swarm of 4 one-block stages of the tests' small model on loopback (parameter averaging every 512 samples,
-checkpoints and backups every 5 s), five movable peers whose --max-memory caps hold 3, 2, 1, 1 and 2 blocks (the
-swarm of the issue, whose peers held 3, 5, 2, 1 and 4 of 8 blocks), and a trainer-only peer. Two runs of the same
+checkpoints and backups every 5 s), seven movable peers whose --max-memory caps hold 3, 2, 1, 1, 2, 2 and 1 blocks
+(like the swarm of the issue, whose peers held 3, 5, 2, 1 and 4 of 8 blocks; enough that the peers left after
+three departures still hold every block), each with a checkpoint folder of its own, and a trainer-only peer. Two runs of the same
 number of samples: "clean", and "departures", in which, once the trainer has done a quarter, a half and three
 quarters of them:
   1. the peer with the most blocks leaves cleanly (a Ctrl-C to its process group, as a terminal sends it);
@@ -54,7 +55,7 @@ from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
 from swarm.manifests.validation import manifest_from_dict  # noqa: E402
 
 STAGES = 4
-BLOCKS = [3, 2, 1, 1, 2]  # what each peer's memory holds
+BLOCKS = [3, 2, 1, 1, 2, 2, 1]  # what each peer's memory holds: 12 blocks, 4 or more left after the departures
 WINDOW = 60.0  # seconds after a departure in which its effects are counted
 POLL = 0.2
 
@@ -137,7 +138,7 @@ class Run:
         if kind == "most_blocks":
             target = max(spans, key=lambda n: spans[n][1] - spans[n][0])
         elif kind == "stage_0":
-            target = min(holders[0], key=lambda n: len(holders[0]))
+            target = holders[0][0]
         else:  # a sole holder of some block, else the widest
             sole = [n for n in spans if any(holders[s] == [n] for s in range(*spans[n]))]
             target = sole[0] if sole else max(spans, key=lambda n: spans[n][1] - spans[n][0])

@@ -213,7 +213,7 @@ class CheckpointService(CheckpointRPC):
         self.bad_requests = 0
 
     async def rpc_checkpoint(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+        self, requests: TypingAsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> TypingAsyncIterator[runtime_pb2.ExpertResponse]:
         caller = str(context.remote_id)
         try:

@@ -33,6 +33,7 @@ STATE_DOWNLOAD_FLOOR = 60.0  # seconds, plus the state's bytes at MIN_STATE_RATE
 STATE_ATTEMPTS = 2  # tries per source peer: a download can be cut short (the peer was busy, a stream broke)
 RETRY_PAUSE = 1.0
 CHECKPOINT_SOURCES = 3  # peers' checkpoints tried, the freshest first
+CHECKPOINT_STALL = 20.0  # seconds a checkpoint's sender may send nothing (it reads the file first, then streams it)
 
 
 def progress(counters: dict[str, int]) -> tuple[int, int]:
@@ -135,15 +136,25 @@ class StateTakeover:
             return False
         own_progress = progress(own.counters) if own is not None else (-1, -1)
         shapes = stage_state_shapes(self.manifest, stage)
-        for peer_id, kept in freshest(records, stage, exclude=self.peer_id)[:CHECKPOINT_SOURCES]:
+        # only peers still announced (a vanished peer's checkpoint record outlives its stage records: asking it
+        # would wait for nothing), the freshest first
+        now = get_dht_time()
+        live = {
+            a.peer_id
+            for announcements in await self.view.all_stages()
+            for a in announcements
+            if a.state != PeerState.OFFLINE and a.expiration > now
+        }
+        candidates = [(peer_id, kept) for peer_id, kept in freshest(records, stage, self.peer_id) if peer_id in live]
+        for peer_id, kept in candidates[:CHECKPOINT_SOURCES]:
             if kept.progress <= own_progress:
                 break
             begin = time.monotonic()
             try:
+                deadline = state_deadline(shapes, STATE_DOWNLOAD_FLOOR)
                 items, counters = await download_state(
-                    self.p2p, peer_id, self.manifest, stage, shapes, state_deadline(shapes, STATE_DOWNLOAD_FLOOR),
-                    from_checkpoint=True,
-                )  # fmt: skip
+                    self.p2p, peer_id, self.manifest, stage, shapes, deadline, CHECKPOINT_STALL, from_checkpoint=True
+                )
                 if counters != kept.counters:  # it saved another one since, or it announced what it did not keep
                     raise CheckpointError(f"it announced {kept.counters} and sent {counters}")
                 await server.load_state(items, counters)
