@@ -15,10 +15,10 @@ quarters of them:
 With `--min-holders 1` placement balances throughput only (blocks keep a single holder); with the default 2 the
 swarm gives blocks spare holders where memory allows (swarm/balancing/spans.py).
 
-Per departure: the trained state lost (for each `state_taken` event of the other peers in the 60 s after it, the
+Per departure (each counted until the next one, at most 60 s; departures are at least 30 s apart): the trained
+state lost (for each `state_taken` event of the other peers taken while no other peer served the stage, the
 optimizer steps the state was behind the stage's last announced one; a stage that had trained and started afresh
-counts as all of its steps), the longest stretch without training progress in the 60 s after it, and the leaving
-peer's own report of its handover. At the end of each run: the held-out loss of the final model (every online
+counts too), the longest stretch without training progress, and the leaving peer's own report of its handover. At the end of each run: the held-out loss of the final model (every online
 peer's parameters, each combination of one holder per stage, averaged). Prints ONE JSON line; progress on stderr.
 """
 
@@ -56,7 +56,8 @@ from swarm.manifests.validation import manifest_from_dict  # noqa: E402
 
 STAGES = 4
 BLOCKS = [3, 2, 1, 1, 2, 2, 1]  # what each peer's memory holds: 12 blocks, 4 or more left after the departures
-WINDOW = 60.0  # seconds after a departure in which its effects are counted
+WINDOW = 60.0  # seconds after a departure in which its effects are counted (until the next one)
+SPACING = 30.0  # seconds between two departures, at least
 POLL = 0.2
 
 
@@ -121,6 +122,12 @@ class Run:
             time.sleep(POLL)
         self.progress.append((time.monotonic(), self.samples()))
 
+    def watch_for(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.progress.append((time.monotonic(), self.samples()))
+            time.sleep(POLL)
+
     def spans(self) -> dict[int, tuple[int, int]]:
         """The span each live peer serves, as its last status line says."""
         found = {}
@@ -157,8 +164,10 @@ class Run:
 
     def finish_departures(self) -> None:
         """What each departure cost, once the run is over."""
-        for record in self.departures:
-            end = record["monotonic"] + WINDOW
+        for index, record in enumerate(self.departures):
+            following = self.departures[index + 1] if index + 1 < len(self.departures) else None
+            end = min(record["monotonic"] + WINDOW, following["monotonic"] if following else float("inf"))
+            until = min(record["at"] + WINDOW, following["at"] if following else float("inf"))
             points = [(t, s) for t, s in self.progress if record["monotonic"] <= t <= end]
             record["stall_s"] = round(longest_stall(points, record["monotonic"]), 1)
             taken = [
@@ -166,14 +175,14 @@ class Run:
                 for number, peer in enumerate(self.peers)
                 if number != record["peer"]
                 for event in peer.events("state_taken")
-                if record["at"] <= event["at"] <= record["at"] + WINDOW
+                if record["at"] <= event["at"] <= until
             ]
-            record["states_taken"] = [
-                {k: e[k] for k in ("stage", "source", "steps_behind", "optimizer_steps", "reason")} for e in taken
-            ]
-            record["steps_rolled_back"] = sum(e["steps_behind"] for e in taken)
+            fields = ("stage", "source", "steps_behind", "optimizer_steps", "online_peers", "reason")
+            record["states_taken"] = [{k: e.get(k) for k in fields} for e in taken]
+            recovered = [e for e in taken if e.get("online_peers") == 0]  # nobody served the stage: a recovery
+            record["steps_rolled_back"] = sum(e["steps_behind"] for e in recovered)
             record["stages_restarted_afresh"] = sorted(
-                {e["stage"] for e in taken if e["source"] in ("fresh", "pretrained") and e["steps_behind"] > 0}
+                {e["stage"] for e in recovered if e["source"] in ("fresh", "pretrained") and e["steps_behind"] > 0}
             )
             leaver = self.peers[record["peer"]]
             handed = leaver.events("handed_over")
@@ -181,7 +190,8 @@ class Run:
             del record["monotonic"]
 
     async def heldout(self, batches) -> float:
-        dht = DHT(initial_peers=self.raw["initial_peers"], start=True, client_mode=True)
+        live = [peer.maddr() for peer in self.peers if peer not in self.stopped and peer.process.poll() is None]
+        dht = DHT(initial_peers=live, start=True, client_mode=True)
         try:
             p2p = await dht.replicate_p2p()
             online = await online_by_stage(dht, self.manifest)
@@ -218,6 +228,8 @@ def run(name: str, args: argparse.Namespace, batches) -> dict[str, Any]:
         if name == "departures":
             for fraction, kind in ((0.25, "most_blocks"), (0.5, "stage_0"), (0.75, "vanish")):
                 swarm.watch_until(int(args.samples * fraction))
+                if swarm.departures:  # the last one's effects are over before the next
+                    swarm.watch_for(SPACING)
                 swarm.depart(kind)
         swarm.watch_until(args.samples)
         loss = asyncio.run(swarm.heldout(batches))

@@ -9,7 +9,7 @@ Fields, by kind (every event also has `event`, its kind, and `at`, the Unix time
 - moved: `from_stage`, `to_stage`
 - state_taken: `stage`, `source` (peer, checkpoint or fresh), `peer_id` (the source peer, or the peer whose checkpoint
   it was; "" for this peer's own), `steps_behind` (optimizer steps the state is behind the stage's last announced
-  one: what was lost), `optimizer_steps`,
+  one: what was lost, where `online_peers`, the other online peers of the stage then, is 0), `optimizer_steps`,
   `averaging_round`, `seconds` (time the download took), `reason` (join, move, catch_up, or rebase: DiLoCo one round behind took the anchor and kept its local steps)
 - averaging_round: `stage`, `round`, `outcome` (applied, skipped, dropped, alone or caught_up), `group_size`,
   `change` (relative change of the parameters, 0 unless applied), `matchmaking_seconds` and `allreduce_seconds`

@@ -49,6 +49,7 @@ async def other_online_peers(view: AnnouncementCache, stage: int, peer_id: str) 
 class StateTakeover:
     def __init__(self, manifest: Manifest, p2p: P2P, view: AnnouncementCache, peer_id: str, on_event: OnEvent):
         self.manifest, self.p2p, self.view, self.peer_id, self.on_event = manifest, p2p, view, peer_id, on_event
+        self._online = 0  # other online peers of the stage at the last takeover
 
     async def into(self, server: StageServer, reason: str) -> bool:
         """Load the stage's state into `server` (see the module's docstring). True if loaded or started afresh;
@@ -58,6 +59,7 @@ class StateTakeover:
         # how far the stage had come as its peers last announced it: what a checkpoint is behind
         last_steps = max([*(a.optimizer_steps for a in await self.view.stage(stage)), self.view.furthest[stage]])
         sources = self._fastest(await other_online_peers(self.view, stage, self.peer_id))
+        self._online = len(sources)  # reported with the outcome: a state taken while nobody served the stage
         sources += await self._handing_out(stage)  # the stage's state as their owners paused them, or as they left
         checkpoint = find_checkpoint(server.options.checkpoint_dir, self.manifest, stage)
         if checkpoint is not None and not sources and reason == "join":
@@ -116,10 +118,10 @@ class StateTakeover:
             logger.info(
                 f"no online peer serves stage {stage} and no checkpoint of it: started from the pretrained model"
             )
-            self._report(stage, StateSource.PRETRAINED, "", {}, time.monotonic() - begin, reason)
+            self._report(stage, StateSource.PRETRAINED, "", {}, time.monotonic() - begin, reason, last_steps)
             return True
         logger.info(f"no online peer serves stage {stage} and no checkpoint of it: starting afresh")
-        self._report(stage, StateSource.FRESH, "", {}, 0.0, reason)
+        self._report(stage, StateSource.FRESH, "", {}, 0.0, reason, last_steps)
         return True
 
     async def _from_checkpoints(
@@ -235,6 +237,7 @@ class StateTakeover:
         behind: int = 0,
     ) -> None:
         fields = {"stage": stage, "source": str(source), "peer_id": peer_id, "steps_behind": behind}
+        fields["online_peers"] = self._online if reason != "resume" else 0
         fields.update(optimizer_steps=counters.get("optimizer_steps", 0))
         fields.update(averaging_round=counters.get("averaging_round", 0), seconds=round(seconds, 2), reason=reason)
         self.on_event(Event(EventKind.STATE_TAKEN, fields))
