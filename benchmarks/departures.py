@@ -129,7 +129,7 @@ class Run:
             time.sleep(POLL)
 
     def spans(self) -> dict[int, tuple[int, int]]:
-        """The span each live peer serves, as its last status line says."""
+        """The span each live peer serves, as its last status line says (a line a second)."""
         found = {}
         for number, peer in enumerate(self.peers):
             lines = peer.status_lines()
@@ -189,15 +189,22 @@ class Run:
             record["handover"] = {k: handed[-1][k] for k in ("taken", "left_behind", "seconds")} if handed else None
             del record["monotonic"]
 
-    async def heldout(self, batches) -> float:
+    async def heldout(self, batches, timeout: float = 120.0) -> float | None:
+        """The final model's held-out loss; None if no stage's parameters could be had from every stage in time."""
         live = [peer.maddr() for peer in self.peers if peer not in self.stopped and peer.process.poll() is None]
         dht = DHT(initial_peers=live, start=True, client_mode=True)
+        deadline = time.monotonic() + timeout
         try:
             p2p = await dht.replicate_p2p()
-            online = await online_by_stage(dht, self.manifest)
-            states = await download_parameters(p2p, self.manifest, online, on_error=lambda *e: None)
-            losses = swarm_heldout_losses(self.manifest, states, batches)
-            return sum(losses) / len(losses)
+            while time.monotonic() < deadline:  # a DHT read can miss records: read again until every stage has one
+                online = await online_by_stage(dht, self.manifest)
+                states = await download_parameters(p2p, self.manifest, online, on_error=lambda *e: None)
+                if all(states):
+                    losses = swarm_heldout_losses(self.manifest, states, batches)
+                    return sum(losses) / len(losses)
+                log(f"no parameters yet of stages {[s for s, found in enumerate(states) if not found]}; again")
+                await asyncio.sleep(2.0)
+            return None
         finally:
             dht.shutdown()
 
@@ -232,10 +239,13 @@ def run(name: str, args: argparse.Namespace, batches) -> dict[str, Any]:
                     swarm.watch_for(SPACING)
                 swarm.depart(kind)
         swarm.watch_until(args.samples)
-        loss = asyncio.run(swarm.heldout(batches))
         swarm.finish_departures()
-        log(f"{name}: held-out loss {loss:.4f} after {args.samples} samples")
-        return {"heldout_loss": round(loss, 4), "seconds": round(time.monotonic() - began, 1), **_departures(swarm)}
+        for record in swarm.departures:
+            log(json.dumps(record))
+        loss = asyncio.run(swarm.heldout(batches))
+        log(f"{name}: held-out loss {loss} after {args.samples} samples")
+        figures = {"heldout_loss": None if loss is None else round(loss, 4)}
+        return {**figures, "seconds": round(time.monotonic() - began, 1), **_departures(swarm)}
     finally:
         swarm.stop()
 
@@ -261,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = eval_batches(manifest_from_dict(manifest_dict(args.min_holders)), 16)
     results = {name: run(name, args, batches) for name in args.runs.split(",")}
     summary: dict[str, Any] = {"settings": vars(args), **results}
-    if "clean" in results and "departures" in results:
+    if all(results.get(run, {}).get("heldout_loss") for run in ("clean", "departures")):
         summary["heldout_ratio"] = round(results["departures"]["heldout_loss"] / results["clean"]["heldout_loss"], 4)
     print(json.dumps(summary))
     return 0
