@@ -288,7 +288,7 @@ LATER_FIELDS = {
     ),
     TrainingConfig: ("precision", "activation_checkpointing", "pipelining"),
     DataConfig: ("index_sha256", "tokenizer", "tokenizer_sha256", "mirrors"),
-    BalancingConfig: ("spans",),
+    BalancingConfig: ("spans", "min_holders"),
 }
 
 
