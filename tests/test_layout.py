@@ -14,6 +14,7 @@ from benchmarks/.
 from __future__ import annotations
 
 import ast
+import time
 import functools
 import sys
 from pathlib import Path
@@ -39,10 +40,24 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def parse(path: Path) -> ast.Module:
+    """ast.parse, tried again on CPython 3.11.7's SystemError "AST constructor recursion depth mismatch": that
+    version keeps the AST builder's depth counter in interpreter-wide state, so a parse in another thread of the
+    same xdist worker (a library's) can corrupt ours (python/cpython#106905, fixed in 3.11.8)."""
+    for attempt in range(5):
+        try:
+            return ast.parse(path.read_text(), filename=str(path))
+        except SystemError:
+            if attempt == 4:
+                raise
+            time.sleep(0.1)
+    raise AssertionError("unreachable")
+
+
 def imported_names(path: Path, name: str, modules: set[str]) -> set[str]:
     """Every module that the file at `path` (module `name`) imports, at any depth of its code, relative imports
     resolved: `from a.b import c` gives a.b.c if that is one of `modules`, else a.b (c is a name in a.b)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parse(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
