@@ -14,9 +14,9 @@ from benchmarks/.
 from __future__ import annotations
 
 import ast
-import time
 import functools
 import sys
+import time
 from pathlib import Path
 
 import pytest
