@@ -99,8 +99,9 @@ def test_a_flood_of_reachability_checks_stops_neither_training_nor_a_newcomers_c
     command = [sys.executable, "-m", "tests.adversaries.reachability_flood", first.maddr(), "10", "32"]
     flood = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
     try:
-        time.sleep(3)  # the flood is under way
+        assert flood.stdout.readline().strip() == "under way"  # its first check was answered: it floods now
         verdict = asyncio.run(check_reachability([first.maddr()], [LOOPBACK], None))  # a newcomer, meanwhile
+        assert flood.poll() is None, "the flood ended before the newcomer's check was answered"
         out, _ = flood.communicate(timeout=60)
     finally:
         if flood.poll() is None:  # its p2p daemon is in its process group

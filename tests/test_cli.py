@@ -334,5 +334,5 @@ def test_a_long_join_says_what_it_does_and_ctrl_c_stops_it(capsys):
 
     result, took, peer = asyncio.run(run())
     out = capsys.readouterr().out
-    assert result is False and took < 2 and peer.cancelled
+    assert result is False and took < 30 and peer.cancelled  # not the hour the join would have taken
     assert "joining: taking over a stage's state (0 s so far)" in out and "stopping while joining the swarm" in out

@@ -1,6 +1,6 @@
 """A flood of reachability checks at one peer, from one libp2p identity: CONCURRENCY checks in flight at all times
-for SECONDS, each claiming this node's own addresses (so that a check would dial it back), then one JSON line of
-what the answers were.
+for SECONDS, each claiming this node's own addresses (so that a check would dial it back). It prints "under way"
+once the first answer came back (the flood has reached the peer), then one JSON line of what the answers were.
 
 Run as `python -m tests.adversaries.reachability_flood TARGET-MADDR SECONDS CONCURRENCY`.
 """
@@ -37,6 +37,8 @@ async def flood(target: str, seconds: float, concurrency: int) -> dict:
                 except Exception as e:  # counted: a flooded peer may fail a call, but must not go down
                     key = f"failed: {type(e).__name__}"
                 answers[key] += 1
+                if sum(answers.values()) == 1:
+                    print("under way", flush=True)
 
         await asyncio.gather(*[one_after_another() for _ in range(concurrency)])
     finally:

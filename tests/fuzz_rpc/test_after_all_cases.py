@@ -75,9 +75,10 @@ def test_a_frame_that_declares_a_huge_size_is_not_buffered(swarm: Swarm):
     CASES["rpc_forward_stream: a huge frame"] += 1
     growth = rss - before
     swarm.alive()
-    if not refused and sent < 96 * 2**20:
-        pytest.skip(f"inconclusive: only {sent / 2**20:.0f} MiB could be sent in time (a loaded machine)")
-    assert growth < 64 * 2**20, (
+    # a peer that buffered the frame grows by what was sent, however much a loaded machine managed to send
+    assert refused or sent >= 16 * 2**20, f"only {sent / 2**20:.0f} MiB could be sent: too little to tell"
+    limit = 64 * 2**20 if refused else min(sent / 2, 64 * 2**20)
+    assert growth < limit, (
         f"{sent / 2**20:.0f} MiB sent in one frame: the peer's memory grew by {growth / 2**20:.0f} MiB"
     )
 
