@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from peers.processes import stop_peers
+from swarm import lifetime
 from swarm.files import cache_root
 
 VALUE_FLAGS = ("--gpus", "--device", "--identity", "--metrics-port")  # flags replaced per GPU, with their value
@@ -80,7 +81,13 @@ def run_gpu_peers(argv: Sequence[str], spec: str) -> int:
     children = []
     for index in gpus:
         command = [sys.executable, "-m", "peers.swarm_peer", *gpu_peer_args(argv, index, identity_dir)]
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        child = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=lifetime.child_environment(),
+        )
         threading.Thread(target=_relay, args=(child, f"[gpu {index}] "), daemon=True).start()
         children.append(child)
     print(f"started {len(children)} peers, one per GPU ({', '.join(f'cuda:{i}' for i in gpus)})", flush=True)

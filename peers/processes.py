@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from swarm import lifetime
+
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 MADDR = r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)"  # a loopback address as a peer prints it
@@ -230,7 +232,8 @@ def start_peer(
     stderr into `log_path`; with `cache_dir`, its measured throughputs are cached there (SWARM_CACHE_DIR), not in
     the user's cache. Its own session: a Ctrl-C in a terminal reaches only the program that started it, which
     then stops it cleanly (stop_peers), and a kill takes its DHT process and p2pd daemon with it."""
-    environment = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    # it stops when this process is gone, however this process ends (swarm/lifetime.py)
+    environment = lifetime.child_environment({**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     if cache_dir is not None:
         environment["SWARM_CACHE_DIR"] = str(cache_dir)
     with open(log_path, "wb") as log:  # the child keeps its own copy of the file descriptor

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from peers import runtime
-from swarm import __version__
+from swarm import __version__, lifetime
 from swarm.dht import joining, node
 from swarm.errors import HistoryError, SwarmError
 from swarm.manifests.manifest import Manifest
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         manifest, initial_peers = joining.reader_join(args.join)  # no manifest: --join names a peer, which has it
         connection = SwarmConnection(initial_peers, manifest.secret if manifest else None)
+        lifetime.stop_when_parent_is_gone()  # started by swarm-demo: not past its end (after the DHT's fork)
         return asyncio.run(run(args, manifest, connection))
     except SwarmError as e:
         print(f"swarm-monitor: error: {e}", file=sys.stderr)

@@ -26,6 +26,7 @@ from peers import runtime
 from peers.gpu_peers import run_gpu_peers
 from peers.peer_output import print_event, print_progress
 from peers.swarm_peer_args import parse_args
+from swarm import lifetime
 from swarm.dht import joining, node
 from swarm.dht.records import announceable, without_loopback_unless_only
 from swarm.errors import PeerStartError, SwarmError
@@ -216,6 +217,7 @@ async def run_peer(
 ) -> int:
     stop, hurry = asyncio.Event(), asyncio.Event()
     runtime.install_stop_handlers(stop, hurry)
+    lifetime.stop_when_parent_is_gone()  # started by another program (swarm-demo, a test): not past its end
     p2p = await dht.replicate_p2p()
     if manifest is None:
         manifest = await joining.manifest_through_peer(p2p, args.join, manifest)

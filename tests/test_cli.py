@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, live_processes, tiny_manifest_dict
+from conftest import ROOT, live_processes, tiny_manifest_dict, wait_until
 from peers import processes
 from peers.swarm_demo import main as demo_main
 from peers.swarm_peer import main as peer_main
@@ -233,12 +233,12 @@ def test_demo_trains_and_reports_json_with_its_monitor():
         urllib.request.urlopen(url + "healthz", timeout=5)
 
 
-def _peer_children(pid: int) -> list[int]:
-    """Child processes of `pid` that run peers.swarm_peer."""
+def _children(pid: int, module: bytes = b"peers.swarm_peer") -> list[int]:
+    """Child processes of `pid` that run `module` (a peer, or swarm-demo's monitor)."""
     found = []
     for child, parent, _ in live_processes():
         try:
-            if parent == pid and b"peers.swarm_peer" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if parent == pid and module in Path(f"/proc/{child}/cmdline").read_bytes():
                 found.append(child)
         except OSError:
             continue
@@ -260,36 +260,46 @@ def _serving(folder: Path | None) -> int:
     return sum("serving stage" in log.read_text(errors="replace") for log in logs)
 
 
-@pytest.mark.slow(75)
-def test_demo_ctrl_c_stops_every_peer():
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigkill"])
+def test_a_stopped_demo_leaves_no_process_behind(stop):
+    """A terminal's Ctrl-C stops the demo, which stops its peers; a SIGKILL (a service manager's last word, an
+    out-of-memory kill) cannot be handled, and still the peers and the monitor, their DHT processes and p2pd
+    daemons stop, because each watches the process that started it (swarm/lifetime.py)."""
     demo = subprocess.Popen(
-        [sys.executable, "-m", "peers.swarm_demo", "--duration", "300"],
+        [sys.executable, "-m", "peers.swarm_demo", "--duration", "300", "--monitor", "0"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    peers: list[int] = []
+    children: list[int] = []
     try:
-        deadline = time.monotonic() + 60
-        while len(peers) < 4 and time.monotonic() < deadline:
-            peers = _peer_children(demo.pid)
-            time.sleep(0.5)
-        assert len(peers) == 4, "the demo should start 4 peer processes"
-        # the peers are up (or starting: after at most 15 s): Ctrl-C must stop them either way
-        folder, deadline = _demo_folder(peers[0]), time.monotonic() + 15
-        while _serving(folder) < len(peers) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        # each peer's processes, its DHT process and p2pd daemon included (they run in a group of their own)
-        seen = {pid: fields[19] for p in peers for pid, fields in processes.peer_processes(p).items()}
-        os.killpg(demo.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
-        assert demo.wait(timeout=60) == 130
-        deadline = time.monotonic() + 10
-        while processes.still_alive(seen) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not processes.still_alive(seen), "a peer, its DHT process or its p2pd outlived the demo"
+
+        def started() -> list[int]:
+            nonlocal children
+            children = _children(demo.pid) + _children(demo.pid, b"peers.swarm_monitor")
+            return children if len(children) == 5 else []
+
+        wait_until(started, 60, "the demo's 4 peers and its monitor")
+        folder = _demo_folder(children[0])
+        wait_until(lambda: _serving(folder) == 4, 120, "the demo's 4 peers to serve")
+        # the demo's processes but itself: its DHT process and p2pd, and each child with its DHT process and p2pd
+
+        def everything() -> dict[int, str]:
+            found = processes.peer_processes(demo.pid)
+            return {pid: fields[19] for pid, fields in found.items() if pid != demo.pid} if len(found) > 17 else {}
+
+        seen = wait_until(everything, 30, "the DHT process and p2pd of the demo and of each of its children")
+        if stop == "ctrl-c":
+            os.killpg(demo.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+            assert demo.wait(timeout=60) == 130
+        else:
+            demo.kill()
+            demo.wait(timeout=10)
+        # a clean stop each (announce, hand over, checkpoint); past lifetime.FORCE_AFTER they are killed
+        wait_until(lambda: not processes.still_alive(seen), 90, "every process of the demo to end", every=0.5)
     finally:
-        for pgid in [demo.pid, *peers]:
+        for pgid in [demo.pid, *children]:
             processes.signal_peer(pgid, signal.SIGKILL)
         demo.wait(timeout=10)
 

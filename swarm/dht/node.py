@@ -18,6 +18,7 @@ from pathlib import Path
 from hivemind import DHT
 from multiaddr import Multiaddr
 
+from swarm import lifetime
 from swarm.dht.records import is_loopback, protected_keys, without_loopback_unless_only
 from swarm.errors import PeerStartError
 from swarm.manifests.manifest import Manifest
@@ -37,6 +38,7 @@ class GroupedDHT(DHT):
 
     def run(self) -> None:
         os.setpgid(0, 0)
+        lifetime.end_group_when_parent_is_gone()  # a peer killed outright leaves no DHT process or p2pd behind
         super().run()
 
 
