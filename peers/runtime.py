@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import functools
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -79,6 +81,54 @@ def install_stop_handlers(stop: asyncio.Event, hurry: asyncio.Event | None = Non
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+STOPPED = 130  # the exit status of a program stopped by Ctrl-C (128 + SIGINT), as shells report it
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def program(name: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """The main() of a program that starts a swarm node: until its event loop takes the signals over
+    (install_stop_handlers), SIGTERM and SIGHUP stop it as Ctrl-C does; a Ctrl-C at any moment of its start ends
+    with one line and exit status 130, never a traceback; a file it cannot write is one line naming the path and
+    the remedy (exit status 2)."""
+
+    def wrap(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def run(argv: list[str] | None = None) -> int:
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, _interrupt)
+            try:
+                return main(argv)
+            except KeyboardInterrupt:
+                print(f"{name}: stopped", file=sys.stderr, flush=True)
+                return STOPPED
+            except OSError as e:
+                if e.filename is None:  # not a file's: a bug or the network, which the program reports itself
+                    raise
+                print(f"{name}: error: {file_error_message(e)}", file=sys.stderr, flush=True)
+                return 2
+
+        return run
+
+    return wrap
+
+
+def file_error_message(error: OSError) -> str:
+    """One line for a file or folder that could not be used: which, why, and what to do."""
+    path = error.filename
+    if error.errno in DISK_FULL:
+        return disk_full_message(error, None)
+    where = (
+        f"the peer keeps its caches, identity and data under {cache_root()} (SWARM_CACHE_DIR) and its checkpoints "
+        "under --checkpoint-dir"
+    )
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied on {path}: make it writable by this user, or point there elsewhere ({where})"
+    if error.errno == errno.EROFS:
+        return f"{path} is on a read-only file system: point there to a writable disk ({where})"
+    return f"{error.strerror or error} ({path}): {where}; check that path"
 
 
 def disk_full_message(error: OSError, checkpoint_dir: str | None) -> str:

@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@runtime.program("swarm-demo")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(stderr=args.json)

@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 import time
 from typing import Any
@@ -108,9 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@runtime.program("swarm-monitor")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: the finally below stops the DHT and its daemon
     runtime.setup_logging("ERROR")  # hivemind's chatter about peers that left is not the monitor's news
     logging.getLogger("swarm").setLevel(logging.WARNING)
     connection = None
@@ -127,10 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if connection is not None:
             connection.shutdown()
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 async def run(args: argparse.Namespace, manifest: Manifest | None, connection: SwarmConnection) -> int:

@@ -44,6 +44,7 @@ from swarm.server.stage import ServingOptions, StageServer
 logger = logging.getLogger("swarm-peer")
 
 
+@runtime.program("swarm-peer")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.check:  # before anything else starts: the check joins nothing and changes nothing
@@ -85,12 +86,14 @@ def main(argv: list[str] | None = None) -> int:
             print("--offload-optimizer has no effect on a CPU peer: its optimizer is in RAM already", flush=True)
         if args.threads:
             torch.set_num_threads(args.threads)
-    except SwarmError as e:
-        print(f"swarm-peer: error: {e}", file=sys.stderr)
+    except (SwarmError, KeyboardInterrupt, OSError) as e:
         if dht is not None:
             dht.shutdown()
         if identity is not None:
             identity.release()
+        if not isinstance(e, SwarmError):
+            raise  # one line, by runtime.program
+        print(f"swarm-peer: error: {e}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(run_peer(args, manifest, dht, device, identity))

@@ -188,6 +188,62 @@ def test_a_full_disk_is_named_with_what_to_do(tmp_path):
     assert "set SWARM_CACHE_DIR and --checkpoint-dir to a disk with room" in out and "Traceback" not in out
 
 
+def test_a_read_only_cache_is_named_with_what_to_do(tmp_path):
+    """The cache folder is on a read-only file system (a tmpfs this test mounts read-only: it needs root)."""
+    disk = tmp_path / "read-only"
+    disk.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(disk)]).returncode
+    ):
+        pytest.skip("mounting a read-only tmpfs needs root")
+    try:
+        path = tmp_path / "m.json"
+        path.write_text(json.dumps(tiny_manifest_dict()))
+        env = {**os.environ, "SWARM_CACHE_DIR": str(disk / "cache")}
+        result = subprocess.run(
+            [sys.executable, "-m", "peers.swarm_peer", "--join", str(path), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+            cwd=ROOT, capture_output=True, text=True, timeout=90, start_new_session=True, env=env,
+        )  # fmt: skip
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    error = result.stderr.strip()
+    assert error.startswith("swarm-peer: error:") and str(disk / "cache") in error, out
+    assert "read-only file system" in error.lower() and "SWARM_CACHE_DIR" in error and "Traceback" not in out, out
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "ctrl-c-during-check"])
+def test_a_stop_while_starting_is_one_line_and_exit_130(tmp_path, how):
+    """A volunteer who changes their mind while the peer starts (or while --check runs) sees one line, never a
+    traceback, and nothing of the peer stays behind (its DHT process and p2pd watch it: swarm/lifetime.py)."""
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(tiny_manifest_dict()))
+    args = ["--join", str(path), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    check = how == "ctrl-c-during-check"
+    peer = processes.start_peer(args + (["--check"] if check else []), tmp_path / "peer.log")
+    try:
+        # the start is under way: a check's first step, or the peer's first line (before its DHT starts)
+        peer.wait_for(r"\] \w" if check else "starting a new swarm", 60)
+        if how == "sigterm":
+            peer.process.send_signal(signal.SIGTERM)
+        else:
+            peer.signal_group(signal.SIGINT)  # a terminal's Ctrl-C
+        assert peer.process.wait(timeout=60) == 130, peer.tail()
+        out = peer.output()
+        assert out.rstrip().endswith("swarm-peer: stopped") and "Traceback" not in out, out
+        # whatever it had started by then (its DHT process and p2pd leave its group, not its session)
+
+        def session() -> list[int]:
+            return [pid for pid, fields in processes.live_processes().items() if int(fields[3]) == peer.pid]
+
+        wait_until(lambda: not session(), 30, "the processes the peer started to end", every=0.5)
+    finally:
+        peer.kill()
+
+
 def test_unreachable_initial_peers_fail_fast(tmp_path):
     # a valid address on loopback where nobody listens
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
