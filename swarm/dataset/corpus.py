@@ -18,7 +18,6 @@ the corpus is never in memory whole. `ensure_prepared` does all this once per ra
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock, Timeout
 
 from swarm.dataset.documents import (
     RECORD_SUFFIXES,
@@ -405,12 +405,13 @@ def ensure_prepared(
     final = cache_dir / key
     if (final / INDEX_FILE).is_file():
         return final / INDEX_FILE
-    with open(cache_dir / f"{key}.lock", "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # another process prepares it: say so, then wait (no deadline: it is working)
-            logger.info("another process on this machine prepares data source %r; waiting for it", source)
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+    lock = FileLock(cache_dir / f"{key}.lock")  # released on leaving, or when the process dies
+    try:
+        held = lock.acquire(timeout=0)
+    except Timeout:  # another process prepares it: say so, then wait (no deadline: it is working)
+        logger.info("another process on this machine prepares data source %r; waiting for it", source)
+        held = lock.acquire()
+    with held:
         if (final / INDEX_FILE).is_file():
             return final / INDEX_FILE  # another process prepared it while this one waited
         if final.exists():

@@ -13,7 +13,6 @@ Both live in $SWARM_CACHE_DIR/startup.json (or ~/.cache/swarm/startup.json). A d
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -21,6 +20,8 @@ import socket
 import time
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock
 
 from swarm.files import atomic_write, cache_root
 
@@ -75,8 +76,7 @@ class StartupCache:
         # peer's entry is lost and its restart checks again); the file itself is replaced atomically.
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with FileLock(self.path.with_name(self.path.name + ".lock")):
                 data = self._read()
                 data[key] = {**value, "time": time.time()}
                 if len(data) > MAX_ENTRIES:  # the oldest go first

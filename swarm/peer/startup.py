@@ -12,7 +12,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+
+from filelock import FileLock
 
 from swarm.dht import node
 from swarm.errors import PeerStartError
@@ -33,11 +34,11 @@ class PeerIdentity:
 
     key: IdentityKey
     path: Path | None = None  # None: a new identity for this run only
-    lock: IO[str] | None = None
+    lock: FileLock | None = None
 
     def release(self) -> None:
         if self.lock is not None:
-            self.lock.close()
+            self.lock.release()
             self.lock = None
 
 
@@ -60,7 +61,7 @@ def claim_peer_identity(
             )
         key = IdentityKey.from_file(path)
     except BaseException:
-        lock.close()
+        lock.release()
         raise
     return PeerIdentity(key, path, lock), without_own_address(initial_peers, own_id)
 

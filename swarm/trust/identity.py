@@ -9,11 +9,10 @@ peer with that id is already connected (hivemind's check, run here so that its a
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 from pathlib import Path
-from typing import IO
 
+from filelock import FileLock, Timeout
 from hivemind.p2p import P2P, PeerID
 
 from swarm.errors import PeerStartError
@@ -22,31 +21,29 @@ from swarm.trust.signing import IdentityKey
 logger = logging.getLogger(__name__)
 
 
-def claim_identity(path: Path) -> tuple[str, IO[str]]:
+def claim_identity(path: Path) -> tuple[str, FileLock]:
     """Lock the identity at `path` for this process, then load its private key (creating it if the file does not
-    exist). Returns the peer id and the locked file, which must stay open while the peer runs."""
+    exist). Returns the peer id and the lock, to be released when the peer has stopped (or its process ends)."""
     path = path.expanduser()
     if not path.parent.is_dir():
         raise PeerStartError(f"--identity {path}: the folder {path.parent} does not exist")
     # The lock is on a file beside the key, taken before the key is read or created: two peers started at once
     # with a new path cannot both create a key (one would overwrite the other's).
     lock_path = path.with_name(path.name + ".lock")
+    lock = FileLock(lock_path, thread_local=False)
     try:
-        lock = open(lock_path, "a")  # noqa: SIM115 (held open: the lock lives as long as the file is open)
-    except OSError as e:
-        raise PeerStartError(f"--identity {path}: cannot create {lock_path} ({e.strerror})") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.close()
+        lock.acquire(timeout=0)
+    except Timeout:  # (an OSError too: caught first)
         raise PeerStartError(
             f"--identity {path} is in use by another peer on this machine; two peers cannot share an identity: "
             "give each its own file"
         ) from None
+    except OSError as e:
+        raise PeerStartError(f"--identity {path}: cannot create {lock_path} ({e.strerror})") from None
     try:
         return _read_identity(path), lock
     except PeerStartError:
-        lock.close()
+        lock.release()
         raise
 
 
