@@ -1,7 +1,7 @@
 """The memory a peer may use, measured, and what it does when a stage does not fit (the I/O edge of capacity/).
 
 A GPU peer reads its device's free memory (torch.cuda.mem_get_info: what other processes hold is already gone);
-a CPU peer reads MemAvailable from /proc/meminfo. `--max-memory` caps either (a machine that is shared), and
+a CPU peer reads the RAM available to new processes (psutil: MemAvailable on Linux). `--max-memory` caps either (a machine that is shared), and
 MARGIN of what is left stays free: allocator fragmentation and the estimate's own error (costs.py is within ~5% of
 benchmarks/memory.py's measurement, but a real run has peaks no formula sees).
 """
@@ -9,10 +9,10 @@ benchmarks/memory.py's measurement, but a real run has peaks no formula sees).
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from swarm.capacity.costs import MemorySettings, SpanCost, longest_span, span_cost
@@ -81,22 +81,11 @@ def memory_in_use(device: torch.device) -> int:
     """Bytes this peer holds now: reserved by torch's allocator on a GPU, or the process's resident memory."""
     if device.type == "cuda":
         return int(torch.cuda.memory_reserved(device))
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+    return int(psutil.Process().memory_info().rss)
 
 
 def _ram_available() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")  # not Linux: free pages at least
+    return int(psutil.virtual_memory().available)  # Linux's MemAvailable; macOS and Windows have their own
 
 
 def usable_budget(device: torch.device, max_memory: int | None = None, available: int | None = None) -> MemoryBudget:
