@@ -18,7 +18,8 @@ from rich.text import Text
 from peers import runtime
 from swarm import __version__
 from swarm.capacity.budget import format_memory
-from swarm.dht import joining, node
+from swarm.client import joining
+from swarm.dht import node
 from swarm.errors import SwarmError
 from swarm.manifests.manifest import Manifest
 from swarm.watch.reader import SwarmReader

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from peers import runtime
 from swarm import __version__
+from swarm.client import joining
 from swarm.client.export import (
     DEFAULT_TIMEOUT,
     DISCOVERY_WAIT,
@@ -39,7 +40,7 @@ from swarm.client.export import (
     write_safetensors,
 )
 from swarm.dataset.tokenizer import Tokenizer
-from swarm.dht import joining, node
+from swarm.dht import node
 from swarm.errors import ExportError, SwarmError
 from swarm.hf.folder import DTYPES, check_output_folder, write_hf_folder
 from swarm.manifests.manifest import Manifest

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from swarm import __version__
 from swarm.architectures.model import count_stage_parameters
+from swarm.dataset.new_swarm import swarm_sources
 from swarm.errors import SwarmError
 from swarm.manifests.loading import write_manifest
 from swarm.manifests.manifest import (
@@ -25,7 +26,6 @@ from swarm.manifests.manifest import (
     PRECISIONS,
     Manifest,
 )
-from swarm.manifests.new_swarm import swarm_sources
 from swarm.manifests.presets import PRESETS, new_manifest
 from swarm.trust.secret import write_secret
 

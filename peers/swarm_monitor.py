@@ -16,7 +16,8 @@ from typing import Any
 
 from peers import runtime
 from swarm import __version__, lifetime
-from swarm.dht import joining, node
+from swarm.client import joining
+from swarm.dht import node
 from swarm.errors import HistoryError, SwarmError
 from swarm.manifests.manifest import Manifest
 from swarm.monitor.history import History, default_history_path

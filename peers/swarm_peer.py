@@ -27,7 +27,8 @@ from peers.gpu_peers import run_gpu_peers
 from peers.peer_output import print_event, print_progress
 from peers.swarm_peer_args import parse_args
 from swarm import lifetime
-from swarm.dht import joining, node
+from swarm.client import joining
+from swarm.dht import node
 from swarm.dht.records import announceable, without_loopback_unless_only
 from swarm.errors import PeerStartError, SwarmError
 from swarm.manifests.manifest import Manifest

@@ -1,4 +1,19 @@
-"""Swarm: decentralized pipeline-parallel training over hivemind's DHT and libp2p."""
+"""Swarm: decentralized pipeline-parallel training over hivemind's DHT and libp2p.
+
+The packages, from the contract up (each package's __init__ maps its modules; tests/test_layout.py checks that no
+package imports one above it):
+
+- manifests/: the manifest that defines a swarm; architectures/: the models; wire/: the contract between peers.
+- dht/: finding peers and keeping records; network/: where a peer sits in the internet; trust/: trust between
+  strangers; dataset/: training data; hf/: Hugging Face in and out; averaging/, balancing/, capacity/: averaging
+  within a stage, which stage a peer serves, what a peer can hold.
+- client/: what calls other peers' stages (the trainer); watch/: watching a peer and a swarm; monitor/: the page.
+- server/: what serves a stage; peer/: one peer, composing both; preflight/: swarm-peer --check.
+
+Plain modules: errors.py (the one exception hierarchy), events.py (what a peer reports to its program), files.py
+(atomic writes), lifetime.py (children that end with their parent), routing.py (a trainer's choice of route),
+throughput.py (the figures' math), pipeline_schedule.py (a synchronous pipeline's step over home links).
+"""
 
 __version__ = "0.1.0"
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import sys
 import time
 from pathlib import Path
@@ -174,6 +175,63 @@ def test_swarm_has_no_import_cycle():
     assert not groups, "import cycles in swarm/ (imports inside functions count too):\n" + "\n".join(
         describe_cycle(graph, group) for group in groups
     )
+
+
+def package_of(module: str) -> str:
+    """swarm.server.stage -> swarm.server; swarm.routing (a plain module at the top) -> swarm.routing."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, frozenset[str]]) -> dict[str, frozenset[str]]:
+    """package -> the packages its modules import. swarm itself (its __init__) is left out: every module imports
+    it by being in it, and it only installs what the whole library needs (codecs, fixes to hivemind)."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if module == "swarm":
+            continue
+        packages.setdefault(package_of(module), set()).update(
+            package_of(target) for target in targets if target != "swarm" and package_of(target) != package_of(module)
+        )
+    return {package: frozenset(targets) for package, targets in packages.items()}
+
+
+def test_packages_import_each_other_in_one_direction():
+    """A package that imports one that imports it back (at any distance) is one layer cut in two: move the module
+    that makes the loop to the package it belongs with."""
+    modules, graph = import_graph(), package_graph(import_graph())
+    groups = [group for group in cycles(graph) if len(group) > 1]
+    culprits = [
+        f"{module} imports {target}"
+        for group in groups
+        for module, targets in sorted(modules.items())
+        for target in sorted(targets)
+        if package_of(module) in group and package_of(target) in group and package_of(module) != package_of(target)
+    ]
+    assert not groups, (
+        "packages of swarm/ that import each other:\n"
+        + "\n".join(describe_cycle(graph, group) for group in groups)
+        + "\nthrough:\n"
+        + "\n".join(culprits)
+    )
+
+
+def test_every_module_is_on_its_package_map():
+    """Each package's __init__ docstring lists its modules (and subpackages) by file name: a newcomer reads one
+    docstring to find where a thing lives. A map that names a file that is not there is stale."""
+    unlisted, stale = [], []
+    for folder in packages():
+        init = folder / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text())) or "" if init.exists() else ""
+        names = [path.name for path in folder.glob("*.py") if path.name != "__init__.py"]
+        names += [path.name + "/" for path in folder.iterdir() if (path / "__init__.py").exists()]
+        unlisted += [f"{folder.relative_to(ROOT)}/{name}" for name in sorted(names) if name not in doc]
+        stale += [
+            f"{init.relative_to(ROOT)} names {name}"
+            for name in re.findall(r"^- ([\w]+\.py)", doc, re.MULTILINE)
+            if not (folder / name).exists()
+        ]
+    assert not unlisted, "modules missing from their package's __init__ map:\n" + "\n".join(unlisted)
+    assert not stale, "package maps naming files that are not there:\n" + "\n".join(stale)
 
 
 @pytest.mark.parametrize(("package", "forbidden"), LAYERS, ids=[package for package, _ in LAYERS])

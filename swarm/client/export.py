@@ -26,9 +26,10 @@ from hivemind.utils import get_dht_time
 
 from swarm import PROTOCOL_VERSION, __version__
 from swarm.architectures.model import build_full_model
+from swarm.client import joining
 from swarm.client.rpc import download_state, swarm_tokenizer
 from swarm.dataset.tokenizer import Tokenizer
-from swarm.dht import joining, node
+from swarm.dht import node
 from swarm.dht.records import Announcement, PeerState, fetch_announcements
 from swarm.errors import ExportError
 from swarm.files import atomic_write

@@ -12,5 +12,6 @@
   the trainers' progress records in the DHT and a trainer's place on its own disk.
 - stream.py: what a trainer reads (ChunkStream); opening.py: the swarm's data opened for a peer.
 - shards.py: a prepared folder read whole from this machine (TokenShards; benchmarks and tools), held-out batches.
+- new_swarm.py: what a new swarm's manifest takes from files (a tokenizer, prepared data, a pretrained model).
 - tokenizer.py, tokenizer_source.py: the byte vocabulary or a tokenizer.json, and where a peer finds the swarm's.
 """

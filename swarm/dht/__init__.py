@@ -2,7 +2,6 @@
 
 - node.py: starting a hivemind DHT node with clear errors, making it sign and check the swarm's records,
   removing sockets a failed daemon leaves, and the addresses worth giving to others.
-- joining.py: joining through what --join names (a manifest's path or URL, or a running peer's multiaddr).
 - records.py: the keys and records peers keep there (stage announcements, trainer reports), validated on reading.
 - hivemind_futures.py: hivemind's futures made safe when a forked child is killed (a lock per process).
 - announcement_cache.py: the peer's cached view of the stages' announcements, shared by its parts.

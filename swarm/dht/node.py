@@ -4,7 +4,7 @@
 into a PeerStartError that says what to check; `sign_records` makes the node sign this peer's records and refuse
 unsigned ones (swarm/trust/signing.py); `daemon_sockets` and `remove_stale_sockets` clean up the socket files a
 failed or killed daemon leaves behind; `visible_maddrs` and `publishable_maddrs` are the addresses worth giving to
-other peers. What --join names, and whom a node bootstraps through, is swarm/dht/joining.py's.
+other peers. What --join names, and whom a node bootstraps through, is swarm/client/joining.py's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""One peer of a swarm: its peer-wide context (context.py: identity, swarm view, traffic, network position, start
-time), its start-up before its DHT node runs (startup.py: identity file, reachability, the manifest it publishes)
-and the Peer that composes its parts (peer.py). Nothing is imported here: server/ imports the context, and
-peer.py imports server/ and client/."""
+"""One peer of a swarm: the Peer that composes its parts (peer.py: its context, stage servers, trainer, pinger).
+Nothing is imported here; peer.py imports server/ and client/.
+
+- peer.py: the Peer, from start to a clean stop (a hand-over of the stages only it serves).
+- startup.py: its start-up before its DHT node runs: identity file, reachability, the manifest it publishes.
+- clock.py: the clock check of a starting peer, against its initial peers'.
+- owner.py: the owner's rules: the hours a peer may run and yielding the GPU to the owner's programs."""

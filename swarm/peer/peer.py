@@ -1,6 +1,6 @@
 """One peer of a swarm, as a `swarm-peer` process runs it: its context and its parts, started and stopped in order.
 
-The Peer owns the peer-wide context (swarm/peer/context.py: identity, swarm view, traffic, network position, start
+The Peer owns the peer-wide context (swarm/server/context.py: identity, swarm view, traffic, network position, start
 time) and hands it to its parts: the reachability service (it answers other peers' "can you dial me?"), a reverse
 connector when others cannot dial this peer, the pinger (which keeps the network position), the Prometheus metrics
 endpoint if asked for, the rebalancer (which serves a stage and moves between stages) and the trainer. The program
@@ -35,10 +35,10 @@ from swarm.dht.records import PeerState
 from swarm.errors import CapacityError, TooSlowToServeError
 from swarm.events import Event, EventKind, OnEvent, ignore
 from swarm.manifests.manifest import Manifest
-from swarm.peer.context import PeerContext
 from swarm.server import handover
 from swarm.server.backups import StageBackups
 from swarm.server.checkpoint_sharing import CheckpointAnnouncer, CheckpointService
+from swarm.server.context import PeerContext
 from swarm.server.reachability import ReachabilityService, ReverseConnector
 from swarm.server.rebalancer import Rebalancer
 from swarm.server.stage import ServingOptions, StageServer

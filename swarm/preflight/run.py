@@ -1,6 +1,6 @@
 """The preflight's order of work: what swarm-peer --check runs, and with what deadlines.
 
-It reads the manifest the way swarm-peer does (swarm/dht/joining.py), joins the DHT as a client that listens
+It reads the manifest the way swarm-peer does (swarm/client/joining.py), joins the DHT as a client that listens
 on nothing and writes no record (as peer-status does), pings the initial peers, reads the swarm's records, asks
 peers to dial a short-lived node of its own back (swarm/server/reachability.py), probes the bandwidth to a stage
 peer or two, checks the training data's source (swarm/preflight/data_probes.py: its index, one chunk, room for
@@ -23,8 +23,9 @@ from hivemind.utils import get_dht_time
 
 from swarm.capacity.budget import usable_budget
 from swarm.capacity.costs import MemorySettings
+from swarm.client import joining
 from swarm.dataset.cache import DEFAULT_CAP
-from swarm.dht import joining, node
+from swarm.dht import node
 from swarm.dht.records import Announcement, announcement_lifetime
 from swarm.errors import SwarmError
 from swarm.manifests.manifest import Manifest

@@ -1,7 +1,7 @@
 """Which stage this peer serves: the choice on join, balance checks, and moves when the swarm is unbalanced.
 
 The Rebalancer decides and performs moves, nothing more: what the peer shares between its parts (its view of the
-swarm, its traffic, its network position, its start time) is the peer's context (swarm/peer/context.py), which
+swarm, its traffic, its network position, its start time) is the peer's context (swarm/server/context.py), which
 the Rebalancer hands on to each StageServer it starts.
 
 The decisions are swarm/balancing/moves.py's pure functions over the peers' announcements; this module does the I/O
@@ -44,8 +44,8 @@ from swarm.errors import (
     TooSlowToServeError,
 )
 from swarm.events import Event, EventKind, OnEvent, ignore
-from swarm.peer.context import PeerContext
 from swarm.server.announcer import announced_rate
+from swarm.server.context import PeerContext
 from swarm.server.measurement import ThroughputMeter
 from swarm.server.stage import ServingOptions, StageServer
 from swarm.server.takeover import StateTakeover, other_online_peers

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hivemind.p2p import P2P
 
+from swarm.client.rpc import manifest_from_peer
 from swarm.errors import ManifestError
 from swarm.manifests.loading import load_manifest
 from swarm.manifests.manifest import Manifest
@@ -42,8 +43,6 @@ async def manifest_through_peer(p2p: P2P, join: str, manifest: Manifest | None) 
     later calls to the same peer time out (docs/ARCHITECTURE.md, end of "Averaging within a stage")."""
     if manifest is not None:
         return manifest
-    from swarm.client.rpc import manifest_from_peer  # imported late: joining stays light to import
-
     return await manifest_from_peer(p2p, join)
 
 
