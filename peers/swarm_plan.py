@@ -170,7 +170,7 @@ def print_plans(spans: SwarmPlan, fixed: SwarmPlan, cpu: bool = False) -> None:
         )
     console.print(
         "[dim]estimates: compute at the given MFU, uplinks as the only links, no averaging traffic "
-        "(docs/ARCHITECTURE.md, 'Spans and memory')[/dim]"
+        "(docs/BALANCING.md, 'Spans and memory')[/dim]"
     )
 
 

@@ -5,7 +5,7 @@ and network (bytes per second to another peer, divided by the bytes a sample of 
 times compute, turns probe exchanges into bandwidth, computes bytes per sample, caches compute figures on disk,
 keeps the delivered EMA (`DeliveredThroughput`) and pads compute steps for `--simulated-speed`
 (`SimulatedSpeed`); what to measure against whom is swarm/server/measurement.py's. Details, and why simulated
-speed pads to the measured time rather than multiplying each step's duration: docs/ARCHITECTURE.md,
+speed pads to the measured time rather than multiplying each step's duration: docs/BALANCING.md,
 "Throughput".
 """
 

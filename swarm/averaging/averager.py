@@ -2,7 +2,7 @@
 rule; DiLoCo's outer step), and hivemind's DecentralizedAverager that does the network part. The math (when a
 round is due, the outer step, timeouts, payloads) is swarm/averaging/rules.py's; when a stage averages,
 swarm/server/rounds.py's. The modes, and why this is built on DecentralizedAverager rather than hivemind.Optimizer,
-are in docs/ARCHITECTURE.md, "Averaging within a stage".
+are in docs/AVERAGING.md.
 
 Thread model: begin_round() and finish_round() touch the model and run in the stage's worker thread
 (swarm/server/compute.py), between two requests; run_round() blocks on the network and runs in a thread of its

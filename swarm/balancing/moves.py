@@ -4,7 +4,7 @@
 peer's check (through `plan_moves`, the greedy plan it simulates), `worthwhile_moves` that answer for every peer
 at once (for simulations and status pages), and `apply_moves` the records as they would be after some moves. How
 far an assignment is from the best one is swarm/balancing/optimum.py's. The rules, and why a plan rather than a
-single move: docs/ARCHITECTURE.md, "Balancing".
+single move: docs/BALANCING.md, "Which stage a peer serves".
 
 What the I/O around these relies on: every peer computes the same plan from the same records (records are put
 in peer-id order first and ties go to the lowest peer id), every step of a plan strictly raises the sorted

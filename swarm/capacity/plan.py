@@ -11,7 +11,7 @@ Rates: a block's compute per sample is 6 FLOPs per parameter and token (8 with a
 attention's 6 x context x width per token, at `mfu` of the machine's FLOP rate; a hop's network rate is the uplink
 over the bytes a span's peer sends per sample (swarm/throughput.py, as the protocol encodes them). The swarm's
 tokens per second is its weakest stage's samples per second times the context; averaging traffic and link delays
-are left out (docs/ARCHITECTURE.md, "Spans and memory").
+are left out (docs/BALANCING.md, "Spans and memory").
 """
 
 from __future__ import annotations

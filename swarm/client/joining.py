@@ -40,7 +40,7 @@ async def manifest_through_peer(p2p: P2P, join: str, manifest: Manifest | None) 
     """`manifest`, or when --join named a peer, the manifest that peer hands out.
 
     `p2p` must be the replica the program keeps using: a second replica, shut down after the call, made
-    later calls to the same peer time out (docs/ARCHITECTURE.md, end of "Averaging within a stage")."""
+    later calls to the same peer time out (docs/AVERAGING.md)."""
     if manifest is not None:
         return manifest
     return await manifest_from_peer(p2p, join)

@@ -6,7 +6,7 @@ trainer carries them), which share the trainer's parts (swarm/client/pipeline.py
 microbatches in flight as its window allows (swarm/client/window.py), sends the calls (swarm/client/rpc.py, or
 this peer's own server directly), bans peers that fail, and reports progress (TrainerStats, and a report in the
 DHT). Nothing waits forever: every call has a timeout and every microbatch a deadline. The rules:
-docs/ARCHITECTURE.md, "Trainer".
+docs/PIPELINE.md, "The trainer".
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ class BalancingConfig:
     check_period: float = 10.0  # mean seconds between a peer's checks of the balance (each randomized 0.5-1.5x)
     min_gain: float = 0.1  # peers move only if that raises the swarm's bottleneck by more than this fraction
     # each peer serves as many consecutive stages as its memory holds (a span), where the swarm is weakest; false:
-    # one stage each (docs/ARCHITECTURE.md, "Spans and memory"). Swarms made for spans have one block a stage
+    # one stage each (docs/BALANCING.md, "Spans and memory"). Swarms made for spans have one block a stage
     spans: bool = False
     # spans: where memory allows, every stage is held by at least this many peers before throughput counts, so that
     # one peer that vanishes takes no stage's trained state with it (swarm/balancing/spans.py)

@@ -6,7 +6,7 @@ stage's peer, waits for the reply (the loss and the gradient of its output), run
 loss and the gradient of its own input; the last stage runs forward, loss and backward at once. So activations
 cross each link between consecutive stages once each way, and the trainer's link carries only tokens and a loss.
 
-The guarantees (docs/ARCHITECTURE.md, "Stage-to-stage forwarding"):
+The guarantees (docs/PIPELINE.md, "Stage-to-stage forwarding"):
 
 - **Nothing waits forever.** A hop's deadline is its arrival plus its budget. It gives the next hop a smaller
   budget (its own backward and a grace period are kept back) and waits for it at most that budget plus the grace.

@@ -6,7 +6,7 @@ optimizer steps it alone, and they go back to RAM (pinned, so the copies run at 
 the statistics of one parameter at most (the largest: the embeddings on the first stage), and the step is the
 optimizer's own code on the GPU, so the numbers are those of a step without offloading. What it costs: each
 step moves 16 bytes a parameter over PCIe (8 in, 8 out; ~0.1 s a 100M parameters at 16 GB/s), in every
-optimizer step, whatever the microbatches per step (docs/ARCHITECTURE.md, "Spans and memory").
+optimizer step, whatever the microbatches per step (docs/BALANCING.md, "Spans and memory").
 
 Other readers of the statistics (state downloads, averaging, checkpoints) find them in `optimizer.state[p]`, as
 always: on the CPU, where they read them anyway. A state loaded onto the GPU goes back to RAM at `offload`.

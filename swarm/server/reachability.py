@@ -4,7 +4,7 @@ reverse connections for a peer that nobody can dial.
 A helper dials from a separate "probe" daemon, never from its own: its own daemon would reuse the connection the
 asker opened and always succeed. A peer nobody can dial opens connections to the peers that may call it, and
 their calls ride on those. hivemind's circuit relays are not used: they cut every relayed connection after 128 KiB
-per direction, about one microbatch of the demo's activations. Details: docs/ARCHITECTURE.md, "Peers behind NAT".
+per direction, about one microbatch of the demo's activations. Details: docs/NETWORK.md, "Peers behind NAT".
 """
 
 from __future__ import annotations

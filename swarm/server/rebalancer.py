@@ -8,7 +8,7 @@ The decisions are swarm/balancing/moves.py's pure functions over the peers' anno
 around them: it reads the DHT, asks server/measurement.py for throughput and server/takeover.py for the stage's
 state, and switches from one StageServer to the next. The order of a join and of a move (a move downloads the
 target's state before it leaves the old stage, and is called off if it cannot): docs/ARCHITECTURE.md,
-"One peer" and "Balancing". A peer serves only stages that fit in its memory (swarm/capacity/): it measures it once,
+"A peer's life", and docs/BALANCING.md, "Which stage a peer serves". A peer serves only stages that fit in its memory (swarm/capacity/): it measures it once,
 at start, and keeps the activations of as many microbatches as fit beside the stage.
 
 In a swarm with `balancing.spans`, a peer serves a span: as many consecutive stages as its memory holds, each by

@@ -1,6 +1,6 @@
 """The RPC handlers of a served stage: validate, admit, hand to the worker, reply.
 
-Why our own ServicerBase and not hivemind.moe (docs/ARCHITECTURE.md): every request is validated before it
+Why our own ServicerBase and not hivemind.moe (docs/PIPELINE.md): every request is validated before it
 touches the model, backward uses the activations forward kept, gradients accumulate over several microbatches,
 and bad requests get an error reply instead of an exception. Handlers run on the event loop; model work runs in
 the stage's worker (server/compute.py), along the one request path (server/request_path.py) that forwarded

@@ -12,7 +12,7 @@ So each stage measures its delay (each backward reports how many optimizer steps
 EMA) and steps with `learning_rate / (1 + FACTOR x delay)`. The last stage, whose backward follows its forward at
 once, has no delay and keeps the full rate; stage 0, the stalest, gets the smallest. Weight prediction
 (extrapolating the weights by delay x the recent update, as PipeMare and SpecTrain do) and DC-ASGD's delay
-compensation were measured too and did not help (docs/ARCHITECTURE.md, "A full pipe without the stale-gradient
+compensation were measured too and did not help (docs/PIPELINE.md, "The step gate: a full pipe without stale
 penalty"). `StalenessControl` belongs to a StageCompute and is touched by its worker thread only.
 """
 

@@ -1,7 +1,7 @@
 """A stage's training state as named tensors: what a peer sends to another that starts serving the stage (the reply
 of rpc_download_state), what a checkpoint holds, and what an export reads.
 
-This module is the one place that knows the state's layout (docs/ARCHITECTURE.md, "A stage's state"):
+This module is the one place that knows the state's layout (docs/STATE.md):
 `param/<name>`, `optim/<name>/<statistic>` and, in DiLoCo mode, `outer/<name>/anchor` and `outer/<name>/momentum`,
 plus the counters in STATE_COUNTERS. `stage_state_shapes` gives the layout from the manifest alone, which is what
 a receiver accepts; `load_state_tensors` checks a received state against the stage before loading it.
