@@ -15,8 +15,8 @@ compute is at most ~15% of a peer's emulated time, so 8 peers (and their trainer
 
 Prints one JSON line: samples/s of each run, a/c, b/c, stage moves, recovery seconds. Progress goes to stderr.
 
-    python benchmarks/balance.py                      # speeds 1,1,1,1,2,2,4,4; takes about 8 minutes
-    python benchmarks/balance.py --speeds 1,2,3,4,5,6 --unit 4
+    python -m benchmarks.balance                      # speeds 1,1,1,1,2,2,4,4; takes about 8 minutes
+    python -m benchmarks.balance --speeds 1,2,3,4,5,6 --unit 4
 """
 
 from __future__ import annotations
@@ -31,15 +31,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from peers.processes import PeerProcess, start_local_peer, stop_peers  # noqa: E402
-from swarm.architectures.model import build_stage  # noqa: E402
-from swarm.balancing.optimum import optimal_assignment  # noqa: E402
-from swarm.dht import node  # noqa: E402
-from swarm.manifests.validation import manifest_from_dict  # noqa: E402
-from swarm.throughput import cached_compute_throughput  # noqa: E402
+from peers.processes import PeerProcess, start_local_peer, stop_peers
+from swarm.architectures.model import build_stage
+from swarm.balancing.optimum import optimal_assignment
+from swarm.dht import node
+from swarm.manifests.validation import manifest_from_dict
+from swarm.throughput import cached_compute_throughput
 
 STAGES = 4
 POLL = 2.0

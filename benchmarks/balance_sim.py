@@ -1,6 +1,6 @@
 """Balancing simulation: an internet swarm whose peers come and go, each choosing its stage with swarm.balancing.
 
-    python benchmarks/balance_sim.py --peers 1000 --stages 8 --hours 24 --seed 0
+    python -m benchmarks.balance_sim --peers 1000 --stages 8 --hours 24 --seed 0
 
 The defaults are the runtime's: checks every 10 s on average (balancing.check_period), min_gain 0.1, records of
 a peer that vanished linger 15 s (3 announce periods of 5 s), records read up to 5 s late (one announce period).
@@ -31,12 +31,8 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from swarm.balancing.moves import (  # noqa: E402
+from swarm.balancing.moves import (
     Move,
     PeerLoad,
     bottleneck,
@@ -44,7 +40,7 @@ from swarm.balancing.moves import (  # noqa: E402
     stage_totals,
     worthwhile_moves,
 )
-from swarm.balancing.optimum import optimal_assignment, upper_bound  # noqa: E402
+from swarm.balancing.optimum import optimal_assignment, upper_bound
 
 WARMUP = 600.0  # seconds over which the first peers join
 SAMPLE_PERIOD = 60.0  # one efficiency sample per simulated minute

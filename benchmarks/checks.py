@@ -1,7 +1,7 @@
 """Checked-work benchmark: what the trainers' checks cost, whether they ever accuse an honest peer, and how fast they
 catch a dishonest one.
 
-    python benchmarks/checks.py [--seconds 90] [--check-fraction 0.05]
+    python -m benchmarks.checks [--seconds 90] [--check-fraction 0.05]
 
 A swarm of the tiny test model on loopback: each of its two stages served by three peers, and a trainer-only peer
 that trains through them (so it can be restarted with other flags while the stage peers stay). Phases:
@@ -26,9 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from peers import processes  # noqa: E402
-from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
+from peers import processes
+from swarm.manifests.presets import fast_test_swarm_dict
 
 DETECTION_TIMEOUT = 300.0
 

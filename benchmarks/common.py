@@ -14,7 +14,6 @@ import itertools
 import json
 import re
 import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,19 +21,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from swarm.architectures.model import build_full_model  # noqa: E402
-from swarm.client.export import assemble_full_state, stage_parameters  # noqa: E402
-from swarm.client.rpc import download_state  # noqa: E402
-from swarm.dataset.shards import TextData, heldout_batches  # noqa: E402
-from swarm.dht.records import Announcement, PeerState, fetch_announcements  # noqa: E402
-from swarm.manifests.manifest import Manifest  # noqa: E402
-from swarm.manifests.presets import new_manifest  # noqa: E402
-from swarm.manifests.validation import manifest_from_dict  # noqa: E402
-from swarm.wire.state import stage_state_shapes  # noqa: E402
+from swarm.architectures.model import build_full_model
+from swarm.client.export import assemble_full_state, stage_parameters
+from swarm.client.rpc import download_state
+from swarm.dataset.shards import TextData, heldout_batches
+from swarm.dht.records import Announcement, PeerState, fetch_announcements
+from swarm.manifests.manifest import Manifest
+from swarm.manifests.presets import new_manifest
+from swarm.manifests.validation import manifest_from_dict
+from swarm.wire.state import stage_state_shapes
 
 # ------------------------------------------------------------------------------------------------ manifests
 
@@ -51,7 +46,7 @@ def benchmark_manifest(path: str | None, name: str) -> Manifest:
 
 
 # The first line of a peer's output matching each, in the order a start passes them (benchmarks/startup.py and
-# the churn benchmark's restarts, benchmarks/churn_swarm.py, time a start by them).
+# the churn benchmark's restarts, benchmarks/churn/swarm.py, time a start by them).
 START_MILESTONES = {
     "reachability_checked": r"reachable: |NOT reachable|reachability not checked",
     "dht_up": r"swarm '.*' \(id",

@@ -1,10 +1,10 @@
 """Convergence benchmark: does a swarm whose replicas average train as well as synchronous data parallel, on the
 same tokens, at a fraction of its traffic?
 
-    python benchmarks/convergence.py [--samples 16384] [--seeds 0,1] [--runs agbcd] [--manifest examples/demo.json]
+    python -m benchmarks.convergence [--samples 16384] [--seeds 0,1] [--runs agbcd] [--manifest examples/demo.json]
                                      [--every-samples N] [--compression 8bit] [--outer-lr X] [--outer-momentum X]
                                      [--max-in-flight 1] [--links 20mbit/25ms]
-    python benchmarks/convergence.py --samples 65536 --runs gbd      # the longer horizon (about an hour a seed)
+    python -m benchmarks.convergence --samples 65536 --runs gbd      # the longer horizon (about an hour a seed)
 
 Five runs on the same samples, model and optimizer: (a) one process with the replica's batch (as many sequential
 optimizer steps as both replicas together: no averaging scheme can reach it at equal samples); (g) one process
@@ -51,10 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     download_parameters,
     eval_batches,
     heldout_loss,
@@ -62,15 +59,17 @@ from benchmarks.common import (  # noqa: E402
     swarm_heldout_losses,
     wait_online,
 )
-from peers import runtime  # noqa: E402
-from peers.processes import start_local_peer, stop_peers  # noqa: E402
-from swarm.architectures.model import build_full_model, build_stage, count_parameters  # noqa: E402
-from swarm.client.trainer import Trainer  # noqa: E402
-from swarm.dataset.shards import TextData, sample_batch  # noqa: E402
-from swarm.dht import node  # noqa: E402
-from swarm.manifests.loading import load_manifest  # noqa: E402
-from swarm.manifests.manifest import Manifest  # noqa: E402
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
+from peers import runtime
+from peers.processes import start_local_peer, stop_peers
+from swarm.architectures.model import build_full_model, build_stage, count_parameters
+from swarm.client.trainer import Trainer
+from swarm.dataset.shards import TextData, sample_batch
+from swarm.dht import node
+from swarm.manifests.loading import load_manifest
+from swarm.manifests.manifest import Manifest
+from swarm.network.emulated_links import EmulatedLinks, LinkSpec
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 
 REPLICAS = 2
 EVAL_BATCHES = 16

@@ -1,7 +1,7 @@
 """Departures from a spans swarm whose blocks have one holder each: is trained state lost, how long does training
 stall, and what does it cost the model?
 
-    python benchmarks/departures.py [--samples 4000] [--min-holders 1] [--seed 0] [--runs clean,departures]
+    python -m benchmarks.departures [--samples 4000] [--min-holders 1] [--seed 0] [--runs clean,departures]
 
 A spans swarm of 4 one-block stages of the tests' small model on loopback (parameter averaging every 512 samples,
 checkpoints and backups every 5 s), seven movable peers whose --max-memory caps hold 3, 2, 1, 1, 2, 2 and 1 blocks
@@ -34,25 +34,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from hivemind import DHT
 
-from hivemind import DHT  # noqa: E402
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     download_parameters,
     eval_batches,
     online_by_stage,
     stop_on_sigterm,
     swarm_heldout_losses,
 )
-from peers.processes import PeerProcess, loopback_args, start_peer, stop_peers  # noqa: E402
-from swarm.capacity.budget import MARGIN  # noqa: E402
-from swarm.capacity.costs import MemorySettings, span_cost  # noqa: E402
-from swarm.manifests.manifest import Manifest  # noqa: E402
-from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
-from swarm.manifests.validation import manifest_from_dict  # noqa: E402
+from peers.processes import PeerProcess, loopback_args, start_peer, stop_peers
+from swarm.capacity.budget import MARGIN
+from swarm.capacity.costs import MemorySettings, span_cost
+from swarm.manifests.manifest import Manifest
+from swarm.manifests.presets import fast_test_swarm_dict
+from swarm.manifests.validation import manifest_from_dict
 
 STAGES = 4
 BLOCKS = [3, 2, 1, 1, 2, 2, 1]  # what each peer's memory holds: 12 blocks, 4 or more left after the departures

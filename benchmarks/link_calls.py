@@ -1,6 +1,6 @@
 """One libp2p call over an emulated home link: how long a request of N bytes takes, alone and several at once.
 
-    python benchmarks/link_calls.py [--link 20mbit/25ms]
+    python -m benchmarks.link_calls [--link 20mbit/25ms]
 
 Two hivemind P2P nodes, each behind its own emulated link (swarm/network/emulated_links.py), so a path crosses two links
 (one-way delay: both ends' delays; bandwidth: the smaller). The second node calls a protobuf handler of the first
@@ -15,16 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
 
-from hivemind.p2p import P2P  # noqa: E402
-from hivemind.proto import runtime_pb2  # noqa: E402
-
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
+from swarm.network.emulated_links import EmulatedLinks, LinkSpec
 
 SIZES = [100, 65536, 262144, 1048576]  # a unary call carries at most 4 MiB
 CONCURRENT = 4

@@ -1,7 +1,7 @@
 """Memory benchmark: what one stage of a preset holds while it trains one microbatch, with and without activation
 checkpointing, measured on this machine's CPU.
 
-    python benchmarks/memory.py [--preset llama-150m] [--stages 2] [--microbatch-size 8]
+    python -m benchmarks.memory [--preset llama-150m] [--stages 2] [--microbatch-size 8]
 
 For each stage, in a process of its own (so that peak RSS is the stage's alone): the stage is built in the
 preset's precision, one microbatch (the preset's size and context) runs forward and backward (the last stage's
@@ -23,16 +23,12 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from swarm.architectures.model import build_stage, count_parameters  # noqa: E402
-from swarm.manifests.presets import new_manifest  # noqa: E402
-from swarm.wire.state import make_optimizer  # noqa: E402
+from swarm.architectures.model import build_stage, count_parameters
+from swarm.manifests.presets import new_manifest
+from swarm.wire.state import make_optimizer
 
 
 def current_rss() -> int:
@@ -103,7 +99,7 @@ def main() -> None:
     rows = []
     for stage in range(args.stages):
         for checkpointing in (0, 1):
-            command = [sys.executable, __file__, "--preset", args.preset, "--stages", str(args.stages)]
+            command = [sys.executable, "-m", "benchmarks.memory", "--preset", args.preset, "--stages", str(args.stages)]
             command += ["--one", f"{stage},{checkpointing}"]
             if args.microbatch_size:
                 command += ["--microbatch-size", str(args.microbatch_size)]

@@ -1,8 +1,8 @@
 """Models benchmark: the tiny Llama against the tiny GPT, at about equal parameters and the same tokens, on the
 standard-library corpus; held-out loss per token and in bits per byte; in one process and in a 2-stage swarm.
 
-    python benchmarks/models.py [--samples 8192] [--runs process,swarm] [--models gpt,llama] [--bpe 0]
-    python benchmarks/models.py --models llama --bpe 2048      # also a Llama on a BPE trained on the corpus
+    python -m benchmarks.models [--samples 8192] [--runs process,swarm] [--models gpt,llama] [--bpe 0]
+    python -m benchmarks.models --models llama --bpe 2048      # also a Llama on a BPE trained on the corpus
 
 gpt is the `tiny` preset (0.875M parameters), llama `llama-tiny` (0.853M: 4 heads, 2 KV heads, SwiGLU of 384), with
 the same training settings (microbatch 16, context 128, AdamW at 0.002, 2 microbatches per step, clipping 1.0).
@@ -30,22 +30,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import download_parameters, online_by_stage, stop_on_sigterm, wait_online  # noqa: E402
-from peers.processes import start_local_peer, stop_peers  # noqa: E402
-from swarm.architectures.model import build_full_model, count_parameters  # noqa: E402
-from swarm.client.export import assemble_full_state  # noqa: E402
-from swarm.client.trainer import Trainer  # noqa: E402
-from swarm.dataset.corpus import ensure_prepared  # noqa: E402
-from swarm.dataset.documents import training_texts  # noqa: E402
-from swarm.dataset.shards import TokenShards, TrainingStream, bits_per_byte  # noqa: E402
-from swarm.dataset.tokenizer import Tokenizer, byte_tokenizer, train_tokenizer  # noqa: E402
-from swarm.dht import node  # noqa: E402
-from swarm.manifests.manifest import Manifest  # noqa: E402
-from swarm.manifests.presets import new_manifest  # noqa: E402
-from swarm.wire.state import make_optimizer  # noqa: E402
+from benchmarks.common import download_parameters, online_by_stage, stop_on_sigterm, wait_online
+from peers.processes import start_local_peer, stop_peers
+from swarm.architectures.model import build_full_model, count_parameters
+from swarm.client.export import assemble_full_state
+from swarm.client.trainer import Trainer
+from swarm.dataset.corpus import ensure_prepared
+from swarm.dataset.documents import training_texts
+from swarm.dataset.shards import TokenShards, TrainingStream, bits_per_byte
+from swarm.dataset.tokenizer import Tokenizer, byte_tokenizer, train_tokenizer
+from swarm.dht import node
+from swarm.manifests.manifest import Manifest
+from swarm.manifests.presets import new_manifest
+from swarm.wire.state import make_optimizer
 
 PRESETS = {"gpt": "tiny", "llama": "llama-tiny"}
 EVAL_WINDOWS = 96

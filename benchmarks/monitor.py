@@ -1,7 +1,7 @@
 """Monitor benchmark: swarm-monitor's memory with 10,000 samples of history, the size of its history, and how long
 its page takes to load in a real browser.
 
-    python benchmarks/monitor.py [--samples 10000] [--peers 16]
+    python -m benchmarks.monitor [--samples 10000] [--peers 16]
 
 1. History: `--samples` samples of a synthetic swarm of `--peers` peers (2 stages) and half as many trainers,
    5 s apart and ending now, go through the monitor's own code (History.record, Leaderboard.update), as the
@@ -22,20 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from peers import processes  # noqa: E402
-from swarm.dht.records import Announcement, TrainerReport, announcement_lifetime  # noqa: E402
-from swarm.manifests.loading import load_manifest  # noqa: E402
-from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
-from swarm.monitor.history import THINNING, History  # noqa: E402
-from swarm.monitor.leaderboard import Leaderboard  # noqa: E402
-from swarm.monitor.sampling import peer_rows, stage_rows, swarm_sample  # noqa: E402
-from swarm.watch.status import swarm_health  # noqa: E402
+from peers import processes
+from swarm.dht.records import Announcement, TrainerReport, announcement_lifetime
+from swarm.manifests.loading import load_manifest
+from swarm.manifests.presets import fast_test_swarm_dict
+from swarm.monitor.history import THINNING, History
+from swarm.monitor.leaderboard import Leaderboard
+from swarm.monitor.sampling import peer_rows, stage_rows, swarm_sample
+from swarm.watch.status import swarm_health
 
 PERIOD = 5.0  # seconds between samples, the monitor's default
 

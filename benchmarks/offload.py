@@ -2,7 +2,7 @@
 parameter by parameter through the device, swarm/server/offload.py) against a plain step, beside the time of one
 microbatch's forward and backward through the same span.
 
-    python benchmarks/offload.py [--preset llama-1b] [--stages 22] [--blocks 2] [--device cuda] [--steps 5]
+    python -m benchmarks.offload [--preset llama-1b] [--stages 22] [--blocks 2] [--device cuda] [--steps 5]
 
 The span is `--blocks` middle stages of the preset split in `--stages` (one block a stage by default). On a CPU
 the statistics do not move (a CPU peer's device is its RAM): what is measured there is the cost of stepping
@@ -16,20 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from swarm.architectures.model import build_stage, count_parameters  # noqa: E402
-from swarm.manifests.presets import new_manifest  # noqa: E402
-from swarm.server.offload import OffloadedStatistics  # noqa: E402
-from swarm.wire.boundary import boundary_width  # noqa: E402
-from swarm.wire.state import make_optimizer  # noqa: E402
+from swarm.architectures.model import build_stage, count_parameters
+from swarm.manifests.presets import new_manifest
+from swarm.server.offload import OffloadedStatistics
+from swarm.wire.boundary import boundary_width
+from swarm.wire.state import make_optimizer
 
 
 def synchronize(device: torch.device) -> None:

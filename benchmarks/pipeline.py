@@ -1,6 +1,6 @@
 """Pipeline benchmark: one process vs. a local swarm with one peer per stage, same model, data and samples.
 
-    python benchmarks/pipeline.py [--samples 2048] [--manifest examples/demo.json] [--pipeline forward|relay]
+    python -m benchmarks.pipeline [--samples 2048] [--manifest examples/demo.json] [--pipeline forward|relay]
                                   [--max-in-flight 4] [--fixed-window]
 
 (a) trains the whole model in one process (torch's default threads); (b) trains it through 2 stage peers on
@@ -24,18 +24,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from peers import runtime
+from peers.processes import start_local_peer, stop_peers
+from swarm.architectures.model import build_full_model
+from swarm.client.trainer import Trainer
+from swarm.dataset.shards import TextData, sample_batch
+from swarm.dht import node
+from swarm.dht.records import PeerState, fetch_announcements
+from swarm.manifests.loading import load_manifest
+from swarm.manifests.manifest import Manifest
 
-from peers import runtime  # noqa: E402
-from peers.processes import start_local_peer, stop_peers  # noqa: E402
-from swarm.architectures.model import build_full_model  # noqa: E402
-from swarm.client.trainer import Trainer  # noqa: E402
-from swarm.dataset.shards import TextData, sample_batch  # noqa: E402
-from swarm.dht import node  # noqa: E402
-from swarm.dht.records import PeerState, fetch_announcements  # noqa: E402
-from swarm.manifests.loading import load_manifest  # noqa: E402
-from swarm.manifests.manifest import Manifest  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 
 
 def peak_memory_mb(pid: int) -> float:
@@ -161,7 +160,16 @@ def main() -> None:
         return
     # (a) runs in its own process, so that its peak memory is its own
     single_out = subprocess.run(
-        [sys.executable, __file__, "--single", "--samples", str(args.samples), "--manifest", args.manifest],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.pipeline",
+            "--single",
+            "--samples",
+            str(args.samples),
+            "--manifest",
+            args.manifest,
+        ],
         check=True,
         capture_output=True,
         text=True,

@@ -1,6 +1,6 @@
 """Poisoning benchmark: a stage of four replicas, one of them hostile, averaging with real hivemind rounds.
 
-    python benchmarks/poisoning.py [--rounds 20] [--honest-rounds 60] [--steps-per-round 20]
+    python -m benchmarks.poisoning [--rounds 20] [--honest-rounds 60] [--steps-per-round 20]
                                    [--attacks none,scaled,sign-flipped,stale,noise] [--compression float32]
 
 Four replicas of the tiny test model (the whole model as one stage), each with its own AdamW and data shard, in
@@ -29,21 +29,19 @@ import json
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import heldout_loss  # noqa: E402
-from swarm.architectures.model import build_full_model  # noqa: E402
-from swarm.averaging.averager import StageAverager  # noqa: E402
-from swarm.dataset.shards import TextData, heldout_batches, sample_batch  # noqa: E402
-from swarm.dht import node  # noqa: E402
-from swarm.errors import AveragingError  # noqa: E402
-from swarm.manifests.manifest import Manifest  # noqa: E402
-from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
-from swarm.manifests.validation import manifest_from_dict  # noqa: E402
+from benchmarks.common import heldout_loss
+from swarm.architectures.model import build_full_model
+from swarm.averaging.averager import StageAverager
+from swarm.dataset.shards import TextData, heldout_batches, sample_batch
+from swarm.dht import node
+from swarm.errors import AveragingError
+from swarm.manifests.manifest import Manifest
+from swarm.manifests.presets import fast_test_swarm_dict
+from swarm.manifests.validation import manifest_from_dict
 
 REPLICAS = 4
 ATTACKER = REPLICAS - 1

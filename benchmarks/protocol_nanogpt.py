@@ -1,7 +1,7 @@
 """A Protocol NanoGPT replica at this machine's scale: steps to a fixed held-out loss x steady time per step.
 
-    python benchmarks/protocol_nanogpt.py          # 8bit, subspace-16 and subspace-32: about 20 minutes here
-    python benchmarks/protocol_nanogpt.py [--methods 8bit,subspace-16,4bit] [--target-loss 2.15] [--width 256]
+    python -m benchmarks.protocol_nanogpt          # 8bit, subspace-16 and subspace-32: about 20 minutes here
+    python -m benchmarks.protocol_nanogpt [--methods 8bit,subspace-16,4bit] [--target-loss 2.15] [--width 256]
                                           [--stages 8] [--microbatches 4] [--max-steps 600] [--eval-every 10]
 
 The speedrun (PluralisResearch/ProtocolNanoGPT) trains a GPT of 8 layers, one per stage, with every stage boundary
@@ -36,15 +36,12 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.gpu_scenarios import SCENARIOS  # noqa: E402
-from benchmarks.stage_traffic import (  # noqa: E402
+from benchmarks.gpu_scenarios import SCENARIOS
+from benchmarks.stage_traffic import (
     Meter,
     Method,
     benchmark_manifest,
@@ -53,9 +50,9 @@ from benchmarks.stage_traffic import (  # noqa: E402
     set_learning_rate,
     update,
 )
-from swarm.architectures.model import build_stage  # noqa: E402
-from swarm.dataset.shards import TextData, heldout_batches, sample_batch  # noqa: E402
-from swarm.pipeline_schedule import StageCosts, step_seconds  # noqa: E402
+from swarm.architectures.model import build_stage
+from swarm.dataset.shards import TextData, heldout_batches, sample_batch
+from swarm.pipeline_schedule import StageCosts, step_seconds
 
 SCENARIO = SCENARIOS["nanogpt-h100-200mbit"]
 RECORD_SCORE_GAIN = round((100.5 * 2925) / (19.9 * 9125), 2)  # 1.62

@@ -1,7 +1,7 @@
 """Spans against fixed stages on volunteers' GPUs: who can take part, and how much of the best throughput the swarm
 keeps while volunteers come and go.
 
-    python benchmarks/span_sim.py [--peers 100] [--hours 6] [--seed 0] [--shapes 1b,7b]
+    python -m benchmarks.span_sim [--peers 100] [--hours 6] [--seed 0] [--shapes 1b,7b]
 
 For each model shape, three swarms of the same volunteers (same arrivals, sessions, GPUs and uplinks):
 - "fixed-24GB": equal stages sized so that a 24 GB card holds one (the llama-1b preset's 4 stages of 5-6 blocks;
@@ -35,16 +35,12 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from swarm.balancing.spans import SpanPeer, better_span, choose_span, coverage, holders, upper_bound  # noqa: E402
-from swarm.capacity.costs import MemorySettings, span_lengths  # noqa: E402
-from swarm.capacity.plan import block_samples_per_second, span_bytes_per_sample, stage_work  # noqa: E402
-from swarm.manifests.manifest import Manifest  # noqa: E402
-from swarm.manifests.presets import new_manifest  # noqa: E402
+from swarm.balancing.spans import SpanPeer, better_span, choose_span, coverage, holders, upper_bound
+from swarm.capacity.costs import MemorySettings, span_lengths
+from swarm.capacity.plan import block_samples_per_second, span_bytes_per_sample, stage_work
+from swarm.manifests.manifest import Manifest
+from swarm.manifests.presets import new_manifest
 
 # (name, memory GB, dense 16-bit TFLOP/s with float32 accumulation, share of volunteers)
 GPUS = [

@@ -1,6 +1,6 @@
 """Benchmark: a real swarm of peers with different memory, serving spans, against the equal-stage swarm.
 
-    python benchmarks/span_swarm.py [--samples 8192] [--seeds 0] [--runs es]
+    python -m benchmarks.span_swarm [--samples 8192] [--seeds 0] [--runs es]
 
 The same 8-block model (the tiny preset, 8 layers) trained on the same samples by two trainers in this process
 (each on its own data shard and half of the samples), two ways:
@@ -32,25 +32,22 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     download_parameters,
     eval_batches,
     heldout_loss,
     online_by_stage,
     stop_on_sigterm,
 )
-from peers.processes import PeerProcess, start_local_peer, stop_peers  # noqa: E402
-from swarm.capacity.budget import MARGIN  # noqa: E402
-from swarm.capacity.costs import MemorySettings, longest_span, span_cost  # noqa: E402
-from swarm.client.export import assemble_full_state  # noqa: E402
-from swarm.client.trainer import Trainer  # noqa: E402
-from swarm.dataset.shards import TextData  # noqa: E402
-from swarm.dht import node  # noqa: E402
-from swarm.manifests.manifest import Manifest  # noqa: E402
-from swarm.manifests.presets import new_manifest  # noqa: E402
+from peers.processes import PeerProcess, start_local_peer, stop_peers
+from swarm.capacity.budget import MARGIN
+from swarm.capacity.costs import MemorySettings, longest_span, span_cost
+from swarm.client.export import assemble_full_state
+from swarm.client.trainer import Trainer
+from swarm.dataset.shards import TextData
+from swarm.dht import node
+from swarm.manifests.manifest import Manifest
+from swarm.manifests.presets import new_manifest
 
 BLOCKS = 8
 SPAN_PEERS = (4, 4, 2, 2, 1, 1)  # blocks each peer's memory holds

@@ -1,7 +1,7 @@
 """Stage traffic benchmark: how many bytes a token costs at a stage boundary, and what that costs in loss.
 
-    python benchmarks/stage_traffic.py --quick                      # about 8 minutes here
-    python benchmarks/stage_traffic.py [--horizons 16384,65536] [--seeds 0,1]
+    python -m benchmarks.stage_traffic --quick                      # about 8 minutes here
+    python -m benchmarks.stage_traffic [--horizons 16384,65536] [--seeds 0,1]
                                        [--methods float32,8bit,subspace-64,subspace-32] [--width 512] [--stages 4]
 
 The same Llama (width 512, 4 stages of one block each, byte tokens of the stdlib corpus, context 64, microbatches
@@ -36,20 +36,17 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from swarm.architectures.model import StageModel, build_stage  # noqa: E402
-from swarm.dataset.shards import TextData, heldout_batches, sample_batch  # noqa: E402
-from swarm.manifests.manifest import Manifest  # noqa: E402
-from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
-from swarm.manifests.validation import manifest_from_dict  # noqa: E402
-from swarm.wire.boundary import boundary_width, token_tensor, wire_token_dtype  # noqa: E402
-from swarm.wire.tensors import decode_tensor, encode_tensor  # noqa: E402
+from swarm.architectures.model import StageModel, build_stage
+from swarm.dataset.shards import TextData, heldout_batches, sample_batch
+from swarm.manifests.manifest import Manifest
+from swarm.manifests.presets import fast_test_swarm_dict
+from swarm.manifests.validation import manifest_from_dict
+from swarm.wire.boundary import boundary_width, token_tensor, wire_token_dtype
+from swarm.wire.tensors import decode_tensor, encode_tensor
 
 NANOGPT_RECORD = {"bytes_ratio_vs_bf16": 6.4, "steps_ratio": 3.1}  # ReparamSSN: 322 B/token against 2,048
 HELDOUT_BATCHES, HELDOUT_SIZE = 16, 32

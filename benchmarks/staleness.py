@@ -2,8 +2,8 @@
 stages' own step gate (training.pipelining flush) and without it (async: steps by count, stale gradients with a
 delay-scaled learning rate).
 
-    python benchmarks/staleness.py --quick          # about 7 minutes here: 2,048 and 6,144 samples, seed 0
-    python benchmarks/staleness.py [--horizons 8192,32768] [--seeds 0,1] [--in-flight 8] [--modes flush,async]
+    python -m benchmarks.staleness --quick          # about 7 minutes here: 2,048 and 6,144 samples, seed 0
+    python -m benchmarks.staleness [--horizons 8192,32768] [--seeds 0,1] [--in-flight 8] [--modes flush,async]
                                    [--activation-compression 8bit] [--subspace-rank 0] [--width 256] [--stages 4]
                                    [--replicas 2 --averaging-every 4096]
 
@@ -34,29 +34,24 @@ import asyncio
 import contextlib
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
+from hivemind.compression import CompressionInfo
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hivemind.compression import CompressionInfo  # noqa: E402
-
-from swarm.architectures.model import build_stage  # noqa: E402
-from swarm.averaging.rules import averaging_compression, outer_step  # noqa: E402
-from swarm.dataset.shards import TextData, heldout_batches, sample_batch  # noqa: E402
-from swarm.manifests.manifest import Manifest  # noqa: E402
-from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
-from swarm.manifests.validation import manifest_from_dict  # noqa: E402
-from swarm.server.compute import StageCompute  # noqa: E402
-from swarm.server.step_gate import StepGate  # noqa: E402
-from swarm.wire.boundary import sends_window, token_tensor  # noqa: E402
-from swarm.wire.messages import StageRequest  # noqa: E402
-from swarm.wire.tensors import decode_tensor, encode_tensor  # noqa: E402
+from swarm.architectures.model import build_stage
+from swarm.averaging.rules import averaging_compression, outer_step
+from swarm.dataset.shards import TextData, heldout_batches, sample_batch
+from swarm.manifests.manifest import Manifest
+from swarm.manifests.presets import fast_test_swarm_dict
+from swarm.manifests.validation import manifest_from_dict
+from swarm.server.compute import StageCompute
+from swarm.server.step_gate import StepGate
+from swarm.wire.boundary import sends_window, token_tensor
+from swarm.wire.messages import StageRequest
+from swarm.wire.tensors import decode_tensor, encode_tensor
 
 CONTEXT, MICROBATCH, STEP = 64, 16, 8
 HELDOUT_BATCHES, HELDOUT_SIZE = 32, MICROBATCH  # a stage takes at most microbatch_size windows

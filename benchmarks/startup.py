@@ -1,7 +1,7 @@
 """Start-up benchmark: how long a peer takes from its process start to serving, when it joins a swarm for the
 first time and when it is restarted (SIGKILL, then the same identity, port and cache), and where the time goes.
 
-    python benchmarks/startup.py [--restarts 3]
+    python -m benchmarks.startup [--restarts 3]
 
 A swarm of the tiny test model on loopback: a first peer serves stage 0 and trains; a second joins stage 1 with
 --identity (new: no cached throughput); it is then SIGKILLed and restarted `--restarts` times. For every start,
@@ -19,11 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import start_milestones  # noqa: E402
-from peers import processes  # noqa: E402
-from peers.processes import free_ports  # noqa: E402
-from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
+from benchmarks.common import start_milestones
+from peers import processes
+from peers.processes import free_ports
+from swarm.manifests.presets import fast_test_swarm_dict
 
 START_TIMEOUT = 120.0
 

@@ -1,9 +1,9 @@
 """WAN benchmark: a 3-stage swarm with trainers, on loopback and behind emulated home links, both pipelines.
 
-    python benchmarks/wan.py [--seconds 40] [--settings unshaped,nanogpt,...] [--pipelines forward,relay]
+    python -m benchmarks.wan [--seconds 40] [--settings unshaped,nanogpt,...] [--pipelines forward,relay]
                              [--activation-compression float32|float16|8bit] [--window 16] [--fixed-window]
 
-    python benchmarks/wan.py --scenarios llama-1b-4090-200mbit[,...] [--methods 8bit,subspace] [--seconds 90]
+    python -m benchmarks.wan --scenarios llama-1b-4090-200mbit[,...] [--methods 8bit,subspace] [--seconds 90]
 
 With --scenarios, the links are set as a GPU would see them (benchmarks/gpu_scenarios.py, docs/BENCHMARKS.md): a
 small Llama in 4 stages, with the scenario's 64 microbatches per step, first runs on unshaped links (its compute bound: this machine's seconds per microbatch
@@ -45,16 +45,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import stop_on_sigterm  # noqa: E402
-from benchmarks.gpu_scenarios import SCENARIOS, local_link  # noqa: E402
-from peers import processes  # noqa: E402
-from swarm.manifests.loading import write_manifest  # noqa: E402
-from swarm.manifests.manifest import COMPRESSIONS  # noqa: E402
-from swarm.manifests.presets import new_manifest  # noqa: E402
-from swarm.manifests.validation import manifest_from_dict  # noqa: E402
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
+from benchmarks.common import stop_on_sigterm
+from benchmarks.gpu_scenarios import SCENARIOS, local_link
+from peers import processes
+from swarm.manifests.loading import write_manifest
+from swarm.manifests.manifest import COMPRESSIONS
+from swarm.manifests.presets import new_manifest
+from swarm.manifests.validation import manifest_from_dict
+from swarm.network.emulated_links import EmulatedLinks, LinkSpec
 
 STAGES = 3
 SCENARIO_STAGES = 4  # the GPU-equivalent scenarios' local swarm: llama-1b's 4 stages (the 7B's 8 are not)

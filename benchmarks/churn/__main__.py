@@ -1,6 +1,6 @@
 """Churn benchmark: does a swarm keep training, and keep its progress, while its peers die, restart and stall?
 
-    python benchmarks/churn.py [--samples 24000] [--faults 6] [--seed 0] [--stages 3] [--replicas 2]
+    python -m benchmarks.churn [--samples 24000] [--faults 6] [--seed 0] [--stages 3] [--replicas 2]
                                [--trainers 2] [--quick] [--runs clean,faults] [--keep-logs]
 
 A local swarm on loopback: `--stages` x `--replicas` stage peers (`swarm-peer --stage S --no-trainer --identity
@@ -45,9 +45,9 @@ Goals (stated here, not tuned for; the JSON says whether each was met):
   - no stage's progress lost while one of its peers lives or a checkpoint of it exists.
 """
 
-# This file runs the benchmark; its parts: churn_peers.py (settings, the stage peers as processes), churn_swarm.py
-# (a run's swarm, the announcements read, the faults planned and injected), churn_training.py (the trainers, the
-# final model's loss) and churn_report.py (progress lost, the summary and its goals).
+# This file runs the benchmark; its parts: peers.py (settings, the stage peers as processes), swarm.py (a run's
+# swarm, the announcements read, the faults planned and injected), training.py (the trainers, the final model's
+# loss) and report.py (progress lost, the summary and its goals).
 
 from __future__ import annotations
 
@@ -65,18 +65,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.churn_peers import Settings, benchmark_manifest, settings_from_args, stop_all  # noqa: E402
-from benchmarks.churn_report import peer_warnings, progress_lost, summarize  # noqa: E402
-from benchmarks.churn_swarm import Swarm, plan_faults  # noqa: E402
-from benchmarks.churn_training import capture_trainer_log, drive, release_trainer_log, stalls  # noqa: E402
-from benchmarks.common import eval_batches, stop_on_sigterm  # noqa: E402
-from peers import runtime  # noqa: E402
-from swarm.client.trainer import Trainer  # noqa: E402
-from swarm.dht import node  # noqa: E402
-from swarm.manifests.manifest import Manifest  # noqa: E402
+from benchmarks.churn.peers import Settings, benchmark_manifest, settings_from_args, stop_all
+from benchmarks.churn.report import peer_warnings, progress_lost, summarize
+from benchmarks.churn.swarm import Swarm, plan_faults
+from benchmarks.churn.training import capture_trainer_log, drive, release_trainer_log, stalls
+from benchmarks.common import eval_batches, stop_on_sigterm
+from peers import runtime
+from swarm.client.trainer import Trainer
+from swarm.dht import node
+from swarm.manifests.manifest import Manifest
 
 EVAL_BATCHES = 16
 
@@ -158,7 +155,9 @@ def run(name: str, workdir: Path, settings: Settings, manifest: Manifest, batche
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.churn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--samples", type=int, default=None, help="samples per run (default 24000; quick: 4800)")
     parser.add_argument("--faults", type=int, default=None, help="fault events in the faults run (default 6; quick: 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the faults' times, kinds and targets")

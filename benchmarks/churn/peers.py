@@ -1,4 +1,4 @@
-"""The churn benchmark's settings and its stage peers (benchmarks/churn.py runs it): each peer's identity, port,
+"""The churn benchmark's settings and its stage peers (__main__.py runs it): each peer's identity, port,
 stage and folder are fixed before it first starts, so that it restarts as itself; a start, a kill of its whole
 process group, a stop and a clean shutdown of all.
 """

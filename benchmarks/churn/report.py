@@ -1,4 +1,4 @@
-"""What a churn run's figures say (benchmarks/churn.py): where each restarted peer took its stage's state from and
+"""What a churn run's figures say (__main__.py): where each restarted peer took its stage's state from and
 whether it lost progress, the warnings in the peers' logs, the faults that fired, and the summary with its goals.
 """
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from benchmarks.churn_peers import CHECKPOINT_EVERY, Settings, down_at, log_text
-from benchmarks.churn_swarm import Event, Swarm
+from benchmarks.churn.peers import CHECKPOINT_EVERY, Settings, down_at, log_text
+from benchmarks.churn.swarm import Event, Swarm
 from peers.processes import PeerProcess
 from swarm.manifests.manifest import Manifest
 

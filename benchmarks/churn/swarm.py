@@ -1,4 +1,4 @@
-"""A churn run's swarm (benchmarks/churn.py): its peers and manifests, what a poller reads of their
+"""A churn run's swarm (__main__.py): its peers and manifests, what a poller reads of their
 announcements, and the faults: planned from a seed (kills, stalls, a double kill) and injected when the
 trainers reach their points of the run.
 """
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.churn_peers import (
+from benchmarks.churn.peers import (
     CHECKPOINT_EVERY,
     START_TIMEOUT,
     Peer,

@@ -1,4 +1,4 @@
-"""A churn run's trainers (benchmarks/churn.py): Trainers in the benchmark's process that note when each
+"""A churn run's trainers (__main__.py): Trainers in the benchmark's process that note when each
 microbatch finished and count their bans of peers; training to the run's samples while the faults are injected;
 the final model's held-out loss; the longest stalls; the trainers' own log.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.churn_peers import START_TIMEOUT
-from benchmarks.churn_swarm import Event, Swarm
+from benchmarks.churn.peers import START_TIMEOUT
+from benchmarks.churn.swarm import Event, Swarm
 from benchmarks.common import download_parameters, online_by_stage, swarm_heldout_losses, wait_online
 from swarm.client.trainer import Trainer
 from swarm.dataset.shards import TextData

@@ -1,6 +1,6 @@
 """Load benchmark: one stage peer under many concurrent trainers, past its queue limit.
 
-    python benchmarks/load.py [--duration 60] [--clients 8] [--concurrency 16] [--manifest PATH]
+    python -m benchmarks.load [--duration 60] [--clients 8] [--concurrency 16] [--manifest PATH]
 
 Starts one `swarm-peer` process serving the last stage (no trainer, 1 thread, loopback only), then sends it
 training forwards ([inputs, targets]; the last stage runs backward and an optimizer step within forward) over
@@ -36,16 +36,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import benchmark_manifest, stop_on_sigterm  # noqa: E402
-from benchmarks.load_clients import run_load  # noqa: E402
-from peers import processes, runtime  # noqa: E402
-from peers.processes import PeerProcess, memory_mb, peer_processes, stop_peers  # noqa: E402
-from swarm.client.pipeline import NO_PEER_WAIT  # noqa: E402
-from swarm.server import admission  # noqa: E402
-from swarm.server.admission import MAX_PENDING_REQUESTS  # noqa: E402
+from benchmarks.common import benchmark_manifest, stop_on_sigterm
+from benchmarks.load.clients import run_load
+from peers import processes, runtime
+from peers.processes import PeerProcess, memory_mb, peer_processes, stop_peers
+from swarm.client.pipeline import NO_PEER_WAIT
+from swarm.server import admission
+from swarm.server.admission import MAX_PENDING_REQUESTS
 
 MEMORY_PERIOD = 0.5  # seconds between two samples of the peer's memory
 START_TIMEOUT = 120.0  # for the peer to print "serving stage" (2 busy cores make it slow)
@@ -53,7 +50,9 @@ EDGE_SHARE = 0.2  # memory at the start vs the end: mean of the first and last 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")
     parser.add_argument("--clients", type=int, default=8, help="P2P identities sending requests (default 8)")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight per client (default 16)")

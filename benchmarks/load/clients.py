@@ -1,4 +1,4 @@
-"""The load benchmark's clients (benchmarks/load.py runs them): hivemind P2P identities in the benchmark's
+"""The load benchmark's clients (__main__.py runs them): hivemind P2P identities in the benchmark's
 process, each with tasks that send training forwards to one stage peer one after another, as trainers that keep
 one microbatch in flight; a tally of what they saw (served, busy, other errors), the event loop's own lag, and
 progress on stderr.

@@ -1,11 +1,11 @@
 """Public data benchmark (issue 40): a corpus published by a local HTTP server, each trainer behind its own emulated
 home link to it (50 Mbit/s down, 25 ms one way by default), against the same swarm reading a local copy.
 
-    python benchmarks/public_data.py [--tokens 100000000] [--chunk-tokens 1048576] [--trainers 4]
+    python -m benchmarks.public_data [--tokens 100000000] [--chunk-tokens 1048576] [--trainers 4]
                                       [--link 50mbit/25ms] [--seconds 90] [--work DIR]
 
 1. The corpus: `--tokens` byte tokens of generated text, prepared once into chunks (kept in --work between runs).
-2. Reading an epoch (benchmarks/public_data_readers.py): `--trainers` data layers alone (no model), each with its
+2. Reading an epoch (readers.py): `--trainers` data layers alone (no model), each with its
    own DHT node, cache and link, read the whole corpus once as fast as their links allow, handing chunks to each
    other: the first batch's wait, bytes downloaded per byte of tokens read, chunks read twice over the epoch.
 3. A real swarm (2 stage peers, `--trainers` trainer-only peers, the fast test model) for `--seconds`: first with
@@ -27,7 +27,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -35,15 +34,14 @@ from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import stop_on_sigterm  # noqa: E402
-from benchmarks.public_data_readers import read_one_epoch  # noqa: E402
-from peers import processes  # noqa: E402
-from swarm.dataset.corpus import index_sha256, prepare_corpus  # noqa: E402
-from swarm.dataset.tokenizer import byte_tokenizer  # noqa: E402
-from swarm.manifests.presets import fast_test_swarm_dict  # noqa: E402
-from swarm.manifests.validation import manifest_from_dict  # noqa: E402
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec  # noqa: E402
+from benchmarks.common import stop_on_sigterm
+from benchmarks.public_data.readers import read_one_epoch
+from peers import processes
+from swarm.dataset.corpus import index_sha256, prepare_corpus
+from swarm.dataset.tokenizer import byte_tokenizer
+from swarm.manifests.presets import fast_test_swarm_dict
+from swarm.manifests.validation import manifest_from_dict
+from swarm.network.emulated_links import EmulatedLinks, LinkSpec
 
 WORDS = "swarm peer stage trainer chunk token data epoch volunteer network model layer gradient".split()
 
@@ -153,7 +151,7 @@ def group_cpu_seconds(pgid: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.public_data", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=100_000_000)
     parser.add_argument("--chunk-tokens", type=int, default=1 << 20)
     parser.add_argument("--trainers", type=int, default=4)

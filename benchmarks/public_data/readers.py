@@ -1,7 +1,7 @@
-"""The reading half of benchmarks/public_data.py: trainers' data layers alone (no model), reading one epoch of a
-published corpus as fast as their links allow, each with its own DHT node, cache and emulated link to the web
-server, handing chunks to each other over real hivemind P2P. What it measures is the data layer's own figures:
-the first batch's wait, bytes downloaded per token read, and duplicates over an epoch with no coordinator.
+"""The reading half of the public data benchmark (__main__.py): trainers' data layers alone (no model), reading
+one epoch of a published corpus as fast as their links allow, each with its own DHT node, cache and emulated link
+to the web server, handing chunks to each other over real hivemind P2P. What it measures is the data layer's own
+figures: the first batch's wait, bytes downloaded per token read, and duplicates over an epoch with no coordinator.
 """
 
 from __future__ import annotations
