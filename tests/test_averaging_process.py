@@ -12,10 +12,11 @@ import time
 import pytest
 import torch
 
-from conftest import client_dht, tiny_manifest_dict
+from conftest import client_dht, tiny_manifest_dict, wait_until
 from swarm.client.rpc import call_stage, download_state
-from swarm.dht.records import fetch_announcements
+from swarm.dht.records import announcement_lifetime, fetch_announcements
 from swarm.manifests.validation import manifest_from_dict
+from swarm.server.rounds import ALONE_AFTER_LIFETIMES
 from swarm.wire import messages
 from swarm.wire.state import stage_state_shapes
 
@@ -166,7 +167,11 @@ def test_a_diloco_replica_that_missed_a_round_keeps_its_local_steps(start_peer, 
     # b stops answering long enough for a to be alone: a's round applies its own outer step and moves to round 1
     b.signal_all(signal.SIGSTOP)
     try:
-        time.sleep(11)  # b's record lapses (3 s), then 2 lifetimes pass without b (6 s)
+        # b's record lapses (it lives 3 s): from then on a cannot see b (it only counts unexpired records)
+        wait_until(lambda: client.announcement(b.peer_id()) is None, 30, "b's record to lapse", every=0.25)
+        # a is alone once it has seen nobody for 2 record lifetimes (rounds.py's rule): a window that must pass
+        # before a's round is due, or a would try a round with b, fail it and count the round's samples again
+        time.sleep(ALONE_AFTER_LIFETIMES * announcement_lifetime(manifest.network.announce_period))
         client.train(a.peer_id(), seed=1, microbatches=8)
         a.wait_for_event("averaging_round", timeout=30, stage=0, round=0, outcome="alone")
     finally:
@@ -192,7 +197,9 @@ def test_a_diloco_replica_that_missed_a_round_keeps_its_local_steps(start_peer, 
 def test_a_killed_peer_resumes_from_its_checkpoint_or_from_peers_that_are_ahead(
     start_peer, write_manifest, driver, tmp_path
 ):
-    raw = one_stage_swarm(mode="diloco", every_samples=10**6)
+    # records live 3 s: a restarted peer that finds no other peer looks again for one lifetime before it resumes
+    # from its checkpoint, and the killed peer's record lapses before the last peer joins
+    raw = one_stage_swarm(announce_period=1.0, mode="diloco", every_samples=10**6)
     manifest = manifest_from_dict(raw)
     first = start_peer(write_manifest(raw), "--stage", "0", "--no-trainer", "--checkpoint-every", "1")
     first.wait_for("serving stage 0")

@@ -26,7 +26,9 @@ def test_eight_microbatches_in_flight_apply_no_stale_gradient_under_the_step_gat
     pipelining, start_peer, write_manifest
 ):
     training = {"microbatches_per_step": 4, "max_in_flight": 8, "adaptive_window": False, "pipelining": pipelining}
-    raw = tiny_manifest_dict(training=training)
+    # no averaging: no round is due in SAMPLES (the test swarm's rounds come every 2048), and a stage peer without
+    # an averager starts seconds sooner (it forks none)
+    raw = tiny_manifest_dict(training=training, averaging={"mode": "none"})
     first = start_peer(write_manifest(raw), "--stage", "0", "--no-trainer", "--status-every", "1")
     raw["initial_peers"] = [first.maddr()]
     joined = write_manifest(raw, "joined.json")
@@ -72,7 +74,8 @@ def test_a_trainer_fills_a_long_route_by_itself_with_the_default_window(start_pe
         joined = write_manifest(raw, "joined.json")
         start_peer(joined, "--stage", "1", "--no-trainer", *links.peer_flags("s1", link))
         trainer = start_peer(joined, "--trainer-only", *status, *links.peer_flags("trainer", link))
-        trainer.wait_for_json(lambda line: (line.get("trainer_samples") or 0) >= 8 * 120, 120, "training")
+        # 60 microbatches: 15 steps of 4, most of them with the window grown (past half its limit within a few steps)
+        trainer.wait_for_json(lambda line: (line.get("trainer_samples") or 0) >= 8 * 60, 120, "training")
         windows = [line["trainer_window"] for line in trainer.status_lines() if "trainer_window" in line]
         last = trainer.status_lines()[-1]
         stage_zero = first.status_lines()[-1]

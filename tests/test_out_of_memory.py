@@ -75,10 +75,13 @@ def squeeze(pid: int, until: Callable[[], bool], timeout: float) -> None:
 
 def test_a_peer_out_of_memory_sheds_its_window_then_a_stage_reports_it_and_training_goes_on(start_peer, write_manifest):
     raw = out_of_memory_manifest()
-    helper = start_peer(write_manifest(raw), "--stage", "1", "--no-trainer", "--status-every", "1")
+    # a stated throughput (about what they measure, a block of this wide MLP at 6-8 samples/s on one loaded core):
+    # the stage peers are pinned, and their measurement alone took 20 s of both cores under load
+    stated = ("--throughput", "8")
+    helper = start_peer(write_manifest(raw), "--stage", "1", "--no-trainer", "--status-every", "1", *stated)
     raw["initial_peers"] = [helper.maddr()]
     joined = write_manifest(raw, "joined.json")
-    peer = start_peer(joined, "--stage", "0", "--span", "2", "--no-trainer", "--status-every", "1")
+    peer = start_peer(joined, "--stage", "0", "--span", "2", "--no-trainer", "--status-every", "1", *stated)
     trainer = start_peer(joined, "--trainer-only", "--status-every", "1")
     peer.wait_for_json(lambda line: line.get("span") == [0, 2] and line.get("state") == "online", 120, "the span")
     trainer.wait_for_json(lambda line: (line.get("trainer_samples") or 0) >= 16, 120, "training")

@@ -1,4 +1,4 @@
-"""Peers serving spans of stages (balancing.spans; docs/ARCHITECTURE.md, "Spans and memory"), in real swarms of
+"""Peers serving spans of stages (balancing.spans; docs/BALANCING.md, "Spans and memory"), in real swarms of
 peer processes on loopback: spans that do not line up chain into routes, a hop that ends mid-span goes on at the
 next peer, a peer whose span holds the rest goes on when another leaves, and stages average per stage whatever
 spans their peers serve."""
@@ -15,14 +15,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow(60)]
 
 
 def span_manifest(**overrides):
-    """Four one-block stages, with spans."""
-    return tiny_manifest_dict(
-        model={"depth": 4},
-        stages={"count": 4},
-        balancing={"spans": True},
-        averaging={"mode": "parameters", "every_samples": 512, "matchmaking_time": 2.0},
-        **overrides,
-    )
+    """Four one-block stages, with spans, averaging every 256 samples (`overrides` replace these settings)."""
+    settings = {"averaging": {"mode": "parameters", "every_samples": 256, "matchmaking_time": 2.0}, **overrides}
+    return tiny_manifest_dict(model={"depth": 4}, stages={"count": 4}, balancing={"spans": True}, **settings)
 
 
 def test_misaligned_spans_train_and_a_peer_leaving_mid_span_is_routed_around(start_peer, write_manifest):
@@ -100,7 +95,9 @@ def planned(manifest_path, machines: str, capsys) -> dict:
 def test_peers_choose_spans_by_their_memory_and_cover_the_blocks_of_a_large_peer_that_leaves(
     start_peer, write_manifest, capsys
 ):
-    raw = span_manifest()
+    # no averaging (this test's peers choose and cover spans; the averaging of spans is the test above's): a peer
+    # without averagers starts and moves seconds sooner (it forks one per stage of its span otherwise)
+    raw = span_manifest(averaging={"mode": "none"})
     large = start_peer(write_manifest(raw), "--stage", "0", "--span", "4", "--no-trainer", "--status-every", "1")
     raw["initial_peers"] = [large.maddr()]
     joined = write_manifest(raw, "joined.json")

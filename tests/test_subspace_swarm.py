@@ -49,11 +49,12 @@ def test_a_subspace_swarm_trains_and_its_middle_link_carries_rank_bytes_per_toke
         path = write_manifest(raw, "joined.json")
         middle = start_peer(path, "--stage", "1", "--no-trainer", *status, *links.peer_flags("s1", link))
         last = start_peer(path, "--stage", "2", "--no-trainer", *status, *links.peer_flags("s2", link))
-        for peer in (first, middle, last):
-            peer.wait_for("serving stage", timeout=90)
+        # the trainer starts with them (it waits for every stage to be served before it sends anything)
         trainer = start_peer(
             path, "--trainer-only", "--check-fraction", "0.5", *status, *links.peer_flags("trainer", link)
         )
+        for peer in (first, middle, last):
+            peer.wait_for("serving stage", timeout=90)
         trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= 10 * BATCH, timeout=120)
         start, carried_before = trainer.status_lines()[-1], links.carried()["s1"]
         trainer.wait_for_json(
