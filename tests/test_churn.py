@@ -1,4 +1,4 @@
-"""Churn: a short run of benchmarks/churn.py (2 stages x 2 replicas, trainers in its process) in which the
+"""Churn: a short run of `python -m benchmarks.churn` (2 stages x 2 replicas, trainers in its process) in which the
 bootstrap peer is killed (its whole process group, SIGKILL) and restarted, and another peer is stopped (SIGSTOP)
 for a few seconds; the swarm must keep training without losing any stage's progress.
 
@@ -27,8 +27,8 @@ TIME_LIMIT = 270.0  # of the benchmark run (the test's own limit is pytest-timeo
 
 
 def run_churn_benchmark(tmp_path, *flags: str) -> dict:
-    """benchmarks/churn.py's summary; its peers' logs stay in tmp_path (its temporary folder)."""
-    command = [sys.executable, str(ROOT / "benchmarks" / "churn.py"), *flags]
+    """The churn benchmark's summary; its peers' logs stay in tmp_path (its temporary folder)."""
+    command = [sys.executable, "-m", "benchmarks.churn", *flags]  # run from ROOT (cwd=ROOT below)
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     try:

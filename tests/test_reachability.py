@@ -13,7 +13,7 @@ import time
 import pytest
 from hivemind import DHT
 
-from conftest import LOOPBACK, ROOT, tiny_manifest_dict
+from conftest import LOOPBACK, ROOT, tiny_manifest_dict, wait_until
 from swarm.dht.announcement_cache import AnnouncementCache
 from swarm.dht.records import Announcement, announcement_lifetime, store_announcement
 from swarm.manifests.loading import load_manifest
@@ -176,6 +176,11 @@ def test_reverse_connector_lets_others_call_a_peer_that_does_not_listen(helper):
         caller.shutdown()
 
 
+def served(peer) -> int:
+    lines = peer.status_lines()
+    return (lines[-1].get("samples_served") or 0) if lines else 0
+
+
 def _empty_request():
     from hivemind.proto import runtime_pb2
 
@@ -199,41 +204,54 @@ def test_a_peer_that_does_not_listen_serves_a_stage_and_one_that_cannot_be_diale
     first.wait_for("serving stage 0")
     assert load_manifest(path).initial_peers == (first.maddr(),)  # the copy, ready to publish
     assert load_manifest(original).initial_peers == ()  # the original is left alone
-    hidden = start_peer(
-        path, "--no-listen", "--stage", "1", "--no-trainer", "--public-name", "hidden", "--status-every", "2"
+    # started together: the trainer's dial-back check asks the listening peers only (the first), and its
+    # microbatches wait for stage 1 to be served
+    status = ("--status-every", "1")
+    hidden = start_peer(path, "--no-listen", "--stage", "1", "--no-trainer", "--public-name", "hidden", *status)
+    # the only peer of stage 1 does not listen: this trainer's microbatches can only pass through it
+    trainer = start_peer(path, "--stage", "0", "--public-name", "trainer", *status)
+    assert trainer.wait_for(r"reachable: 1 of 1 peers dialed it back")
+    # a peer that announces an address where nobody can dial it: it says so, and serves all the same (stage 0: it
+    # takes the stage's state from a peer it can dial, not from the hidden one); it starts while the others train
+    behind_nat = start_peer(
+        path,
+        "--stage",
+        "0",
+        "--no-trainer",
+        "--public-name",
+        "behind-nat",
+        "--announce-maddrs",
+        f"/ip4/127.0.0.1/tcp/{closed_port()}",
     )
     hidden.wait_for("serving stage 1")
-    # the only peer of stage 1 does not listen: this trainer's microbatches can only pass through it
-    trainer = start_peer(path, "--stage", "0", "--public-name", "trainer", "--status-every", "2")
-    assert trainer.wait_for(r"reachable: 1 of 1 peers dialed it back")
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        lines = trainer.status_lines()
-        if lines and lines[-1].get("trainer_samples", 0) >= 64:
-            break
-        time.sleep(1)
-    assert lines and lines[-1]["trainer_samples"] >= 64, trainer.output()[-3000:]
-    assert hidden.status_lines()[-1]["samples_served"] > 0
-
-    # peer-status shows who cannot be dialed
-    result = subprocess.run(
-        [sys.executable, "-m", "peers.peer_status", "--join", str(path), "--json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
+    trained = wait_until(
+        lambda: [s for s in trainer.status_lines() if (s.get("trainer_samples") or 0) >= 64],
+        90,
+        "the trainer to train 64 samples through the peer that does not listen",
     )
-    assert result.returncode == 0, result.stderr
-    document = json.loads(result.stdout)
-    reachable = {p["public_name"]: p["reachable"] for p in document["peers"]}
-    assert reachable == {"first": True, "hidden": False, "trainer": True}
-    assert document["swarm"]["peers_unreachable"] == 1
-
-    # a peer that announces an address where nobody can dial it: it says so, and serves all the same (stage 0: it
-    # takes the stage's state from a peer it can dial, not from the hidden one)
-    behind_nat = start_peer(
-        path, "--stage", "0", "--no-trainer", "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{closed_port()}"
-    )
+    assert trained[-1]["trainer_samples"] >= 64, trainer.tail()
+    assert wait_until(lambda: served(hidden) > 0, 30, "the hidden peer's status to show samples served")
     behind_nat.wait_for("NOT reachable from other peers")
     behind_nat.wait_for("serving stage 0")
     assert "reachable at:" not in behind_nat.output()
+
+    # peer-status shows who cannot be dialed: the peer that does not listen, and the one behind a NAT
+    def peer_status() -> dict:
+        result = subprocess.run(
+            [sys.executable, "-m", "peers.peer_status", "--join", str(path), "--json"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def all_four() -> dict | None:  # the last one's first announcement may take a moment to be stored
+        document = peer_status()
+        return document if len(document["peers"]) >= 4 else None
+
+    document = wait_until(all_four, 60, "peer-status to list the 4 peers")
+    reachable = {p["public_name"]: p["reachable"] for p in document["peers"]}
+    assert reachable == {"first": True, "hidden": False, "trainer": True, "behind-nat": False}, reachable
+    assert document["swarm"]["peers_unreachable"] == 2

@@ -52,18 +52,24 @@ def test_a_joining_peer_takes_the_stage_with_least_throughput(start_peer, write_
 
 @pytest.mark.slow(90)
 def test_a_peer_moves_to_a_weakened_stage_and_takes_over_its_trained_state(start_peer, write_manifest):
-    # a round every 256 samples (not 2048) and 2 s of matchmaking: the keeper holds trained parameters sooner
-    averaging = {"every_samples": 256, "matchmaking_time": 2.0}
+    # a round every 256 samples (not 2048) and 2 s of matchmaking: the keeper holds trained parameters sooner; a
+    # round whose all-reduce stalls (seen once, for the first round after the keeper joined) is given up after 10 s
+    # (rounds take about 2 s here), not the default 30
+    averaging = {"every_samples": 256, "matchmaking_time": 2.0, "timeout": 10.0}
     raw = tiny_manifest_dict(balancing={"check_period": 2.0, "min_gain": 0.1}, averaging=averaging)
     manifest = manifest_from_dict(raw)
     trainer = start_peer(write_manifest(raw), "--stage", "0", "--throughput", "100", "--status-every", "1")
     raw["initial_peers"] = [trainer.maddr()]
     path = write_manifest(raw, "joined.json")
+    trainer.wait_for("serving stage 0")  # announced: stage 0 has at least 100 samples/s from the start
+    # the three start together: whatever the mover sees of the other two, stage 1 has least (0 or 20 samples/s,
+    # against 100 or 105)
     keeper = start_peer(path, "--stage", "0", "--throughput", "5", "--no-trainer", "--status-every", "1")
-    start_peer(path, "--stage", "1", "--throughput", "20", "--no-trainer").wait_for("serving stage 1")
-    keeper.wait_for("serving stage 0")
+    one = start_peer(path, "--stage", "1", "--throughput", "20", "--no-trainer")
     mover = start_peer(path, "--throughput", "50", "--no-trainer", "--status-every", "1")
-    mover.wait_for("serving stage 1")  # 105 samples/s serve stage 0, 20 stage 1
+    one.wait_for("serving stage 1")
+    keeper.wait_for("serving stage 0")
+    mover.wait_for("serving stage 1")  # 105 samples/s serve stage 0, 70 stage 1
     assert status(mover, "moves") == 0
 
     # the slow stage-0 peer holds trained parameters: it averages with the trainer's peer (and may serve a few

@@ -19,6 +19,7 @@ from swarm.network.emulated_links import EmulatedLinks, LinkSpec
 
 GOAL = 10.0  # seconds of progress a vanished peer may cost the swarm (issue 33)
 LINK = LinkSpec.parse("100mbit/5ms")
+SILENCE = 60.0  # seconds a silent sender of a stage's state says nothing after its first parts
 
 
 def progress(peer) -> int:
@@ -73,9 +74,10 @@ def test_a_vanished_stage_peer_costs_the_swarm_seconds_not_its_fixed_timeouts(st
         path = write_manifest(raw, "joined.json")
         stage0 = {"a0": first, "b0": start_peer(path, "--stage", "0", "--no-trainer", *flags["b0"])}
         stage1 = {name: start_peer(path, "--stage", "1", "--no-trainer", *flags[name]) for name in ("a1", "b1")}
+        # the trainer starts with them (it waits for each stage to be served); every stage peer serves before a cut
+        trainer = start_peer(path, "--trainer-only", *flags["trainer"])
         for peer in (*stage0.values(), *stage1.values()):
             peer.wait_for("serving stage", timeout=90)
-        trainer = start_peer(path, "--trainer-only", *flags["trainer"])
         trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= 200, timeout=120, what="training")
 
         # a stage-1 peer vanishes: the stage-0 peers that forward to it give up on it once it does not answer their pings
@@ -95,8 +97,8 @@ def test_a_state_download_whose_sender_goes_silent_stops_at_the_stall_deadline_a
     """A stage's state is gigabytes for a large model: minutes over a home uplink, so its download has no short
     fixed deadline. It shows its progress, and stops when nothing comes for the stall deadline (a vanished sender)."""
 
-    async def sender():  # 2 parts at once, then 2 more a while apart, then silence
-        for pause in (0, 0, 0.3, 0.3, 60):
+    async def sender():  # 2 parts at once, then 2 more a while apart, then silence (for SILENCE s)
+        for pause in (0, 0, 0.3, 0.3, SILENCE):
             await asyncio.sleep(pause)
             yield runtime_pb2.ExpertResponse(metadata=b"x" * 1000)
 
@@ -114,6 +116,8 @@ def test_a_state_download_whose_sender_goes_silent_stops_at_the_stall_deadline_a
                 asyncio.run(receive())
     finally:
         rpc.STATE_PROGRESS_EVERY = every
-    assert time.monotonic() - begin < 3
+    # it gave up at the 1 s stall deadline (about 1.6 s in all on an idle machine), not when the sender's silence
+    # ended: far above the normal figure, far below the silence
+    assert time.monotonic() - begin < SILENCE / 2
     assert "state of stage 1 from peer abc: 0 of 0 MiB" in caplog.text  # a progress line, with its rate
     assert "Mbit/s" in caplog.text
