@@ -39,6 +39,8 @@ from swarm.manifests.validation import manifest_from_dict
 from swarm.wire.state import stage_state_shapes
 
 GENERATE = ROOT / "examples" / "generate.py"
+# seconds a new process may take to start (import torch and hivemind) on a loaded 2-core machine: 20 have been seen
+STARTING = 40.0
 
 
 def three_stage_manifest():
@@ -207,11 +209,11 @@ def test_export_errors_are_one_clear_paragraph(tmp_path, write_manifest, capsys,
 
     # unreachable initial peers: a real process (it starts a DHT), bounded, no traceback
     begin = time.monotonic()
-    result = run_tool(export_command(unreachable, out, "--timeout", "20"), 60)
+    result = run_tool(export_command(unreachable, out, "--timeout", "10"), 90)
     assert result.returncode == 1, (result.stdout, result.stderr)
     assert "no initial peer could be reached" in result.stderr and result.stderr.startswith("swarm-export: error:")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert time.monotonic() - begin < 30
+    assert time.monotonic() - begin < 10 + STARTING  # its timeout, and starting a process on a busy machine
     assert not out.exists()
 
 
@@ -230,7 +232,7 @@ def wait_until(condition, timeout: float, what: str) -> None:
 def test_export_of_a_trained_swarm_matches_its_peers(start_peer, write_manifest, tmp_path):
     from swarm.client.trainer import Trainer
 
-    raw = tiny_manifest_dict()
+    raw = tiny_manifest_dict(averaging={"mode": "none"})  # no averager processes: the export reads no round
     flags = ("--no-trainer", "--throughput", "100", "--bandwidth", "1000", "--status-every", "1")
     first = start_peer(write_manifest(raw), "--stage", "0", *flags)
     raw["initial_peers"] = [first.maddr()]
@@ -256,7 +258,7 @@ def test_export_of_a_trained_swarm_matches_its_peers(start_peer, write_manifest,
         async def train() -> None:
             p2p = await dht.replicate_p2p()
             trainer = Trainer(manifest, dht, p2p, str(dht.peer_id), seed=0)
-            await trainer.train(tokens, asyncio.Event(), max_samples=8 * 12)
+            await trainer.train(tokens, asyncio.Event(), max_samples=8 * 8)  # 8 steps: each stage needs 5
             await p2p.shutdown()
 
         asyncio.run(train())  # the trainer has stopped: the peers' parameters stay as they are now
@@ -323,10 +325,10 @@ def test_export_of_a_trained_swarm_matches_its_peers(start_peer, write_manifest,
         last.process.wait(timeout=30)  # its exit status is swarm-peer's business, not this test's
         begin = time.monotonic()
         missing = tmp_path / "missing.safetensors"
-        result = run_tool(export_command(path, missing, "--timeout", "30", "--wait", "2"), 60)
+        result = run_tool(export_command(path, missing, "--timeout", "15", "--wait", "2"), 90)
         assert result.returncode == 1, result.stdout
         assert "no online peer serves stage 1" in result.stderr and "Traceback" not in result.stderr, result.stderr
-        assert time.monotonic() - begin < 45  # its 30 s timeout, and starting a process on a busy machine
+        assert time.monotonic() - begin < 15 + STARTING  # its timeout, and starting a process on a busy machine
         assert not missing.exists()
     finally:
         dht.shutdown()

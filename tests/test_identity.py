@@ -20,10 +20,10 @@ def test_identity_file_is_created_locked_and_validated(tmp_path):
     assert path.exists() and peer_id.startswith("Qm")  # hivemind's identities are RSA keys
     with pytest.raises(PeerStartError, match="in use by another peer on this machine"):
         claim_identity(path)
-    handle.close()  # the lock goes with the file
+    handle.release()  # the lock is released
     again, handle = claim_identity(path)
     assert again == peer_id
-    handle.close()
+    handle.release()
 
     garbage = tmp_path / "garbage.key"
     garbage.write_bytes(b"not a key")
@@ -42,27 +42,30 @@ def test_own_address_is_dropped_from_initial_peers():
 @pytest.mark.slow(50)
 def test_identity_survives_restart_and_cannot_be_shared(start_peer, write_manifest, tmp_path):
     identity = tmp_path / "first.key"
-    path = write_manifest(tiny_manifest_dict())
-    first = start_peer(path, "--stage", "0", "--no-trainer", "--identity", str(identity))
+    fast = {"averaging": {"mode": "none"}}  # no averager process to start: identities have nothing to do with it
+    path = write_manifest(tiny_manifest_dict(**fast))
+    flags = ("--no-trainer", "--throughput", "100", "--bandwidth", "1000")  # nothing to measure
+    first = start_peer(path, "--stage", "0", *flags, "--identity", str(identity))
     first_id = first.peer_id()
+    # its DHT is up and the file is locked: its twin and its clone start at once (each is refused by itself)
+    joined = write_manifest(tiny_manifest_dict(initial_peers=[first.maddr()], **fast), "joined.json")
+    copy = tmp_path / "copy.key"
+    shutil.copy(identity, copy)
+    twin = start_peer(path, "--stage", "1", *flags, "--identity", str(identity))
+    clone = start_peer(joined, "--stage", "1", *flags, "--identity", str(copy))
     first.wait_for("serving stage 0")
 
     # the same file on this machine: refused at once, by the lock
-    twin = start_peer(path, "--stage", "1", "--no-trainer", "--identity", str(identity))
     assert twin.process.wait(timeout=60) == 2
     assert "is in use by another peer on this machine" in twin.output()
 
     # a copy of the file (as on another machine): the swarm says the id is connected already
-    copy = tmp_path / "copy.key"
-    shutil.copy(identity, copy)
-    joined = write_manifest(tiny_manifest_dict(initial_peers=[first.maddr()]), "joined.json")
-    clone = start_peer(joined, "--stage", "1", "--no-trainer", "--identity", str(copy))
     assert clone.process.wait(timeout=60) == 2
     assert "a peer with this id" in clone.output() and "already in the swarm" in clone.output()
 
     # killed and restarted: the same id, and its own address among the initial peers does not stop it
     first.signal_all(signal.SIGKILL)
     first.kill()
-    again = start_peer(joined, "--stage", "0", "--no-trainer", "--identity", str(identity))
+    again = start_peer(joined, "--stage", "0", *flags, "--identity", str(identity))
     assert again.peer_id() == first_id
     again.wait_for("serving stage 0")

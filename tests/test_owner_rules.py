@@ -77,7 +77,9 @@ def test_a_peer_outside_its_hours_pauses_itself_and_stays_in_the_swarm(start_pee
 
     now = datetime.now()
     hours = f"{(now.hour + 2) % 24}-{(now.hour + 3) % 24}"  # an hour that is not now
-    peer = start_peer(write_manifest(tiny_manifest_dict()), "--stage", "0", "--no-trainer", "--hours", hours)
+    manifest = write_manifest(tiny_manifest_dict(averaging={"mode": "none"}))  # no averager process to start
+    flags = ("--no-trainer", "--throughput", "100", "--bandwidth", "1000", "--status-every", "1")
+    peer = start_peer(manifest, "--stage", "0", *flags, "--hours", hours)
     event = peer.wait_for_event("paused", 90)
     assert "outside the hours it may run" in event["reason"] and event["stages"] == [0], event
     peer.wait_for_json(lambda line: line.get("state") == "paused", 30, "announced paused")

@@ -38,14 +38,14 @@ def test_a_paused_peer_drains_keeps_its_state_and_catches_up_when_it_resumes(sta
     for peer in (first, *replicas):
         peer.wait_for("serving stage", timeout=90)
     trainer = start_peer(path, "--trainer-only", *status)
-    trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= 200, timeout=120, what="training")
+    trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= 80, timeout=120, what="training")
 
     # 1. one of stage 1's two peers pauses: it drains and parks; the other takes the stage's microbatches
     paused = replicas[0]
     signalled = time.monotonic()
     paused.process.send_signal(signal.SIGUSR1)
     # it says at once that it drains, and what it waits for; then how long the whole pause took
-    pausing = paused.wait_for_event("pausing", 10)
+    pausing = paused.wait_for_event("pausing", 30)  # (its event loop may be seconds late on a loaded machine)
     assert pausing["stages"] == [1] and pausing["in_flight"] >= 0 and pausing["trainer_in_flight"] == 0, pausing
     event = paused.wait_for_event("paused", 60)
     assert event["stages"] == [1] and event["seconds"] < 30 and event["device_bytes_freed"] == 0, event  # a CPU
@@ -53,7 +53,8 @@ def test_a_paused_peer_drains_keeps_its_state_and_catches_up_when_it_resumes(sta
     line = paused.wait_for_json(lambda line: line.get("state") == "paused", 30, "announced paused")
     served = line["samples_served"]
     before = trained(trainer)
-    trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= before + 200, 60, "training on")
+    # 10 microbatches: were the paused peer still taking its share, it would have served some of them
+    trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= before + 80, 60, "training on")
     assert last(paused)["samples_served"] == served  # it took no microbatch while paused
     assert last(paused)["state"] == "paused" and paused.process.poll() is None  # still there
 
@@ -77,5 +78,5 @@ def test_a_paused_peer_drains_keeps_its_state_and_catches_up_when_it_resumes(sta
     (taken,) = [e for e in first.events("state_taken") if e.get("reason") == "resume"]
     assert taken["optimizer_steps"] >= steps and taken["source"] == "own", taken
     before = trained(trainer)
-    trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= before + 200, 90, "training after resume")
+    trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= before + 80, 90, "training after resume")
     assert last(trainer)["trainer_failed_microbatches"] == 0, last(trainer)  # no microbatch failed for a pause

@@ -210,7 +210,7 @@ def wait_for_document(capsys, join: str, accept, timeout: float = 90.0) -> tuple
         code, doc = status_json(capsys, "--join", join)
         if accept(code, doc) or time.monotonic() > deadline:
             return code, doc
-        time.sleep(1)
+        time.sleep(0.5)
 
 
 class StatusRuns:
@@ -256,7 +256,8 @@ def http_folder(tmp_path):
 @pytest.mark.integration
 @pytest.mark.slow(160)
 def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder, capsys):
-    path = write_manifest(tiny_manifest_dict(), "swarm.json")
+    # no averaging: peer-status reads no round here, and an averager is a process more per peer to start
+    path = write_manifest(tiny_manifest_dict(averaging={"mode": "none"}), "swarm.json")
     # alice's trainer trains all along: as a device 20 times slower (her stage, the last, paces the pipeline), so
     # that it leaves the cores to peer-status and the other tests
     flags = ["--public-name", "alice", "--status-every", "1", "--simulated-speed", "0.05"]
@@ -275,7 +276,7 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder, ca
     assert doc["swarm"]["swarm_id"] == manifest.swarm_id and doc["peers"][0]["public_name"] == "alice"
 
     # through the initial peer that --new-swarm wrote; one trainer (alice's) is enough and spares the CPU
-    bob = start_peer(path, "--public-name", "bob", "--no-trainer")
+    bob = start_peer(path, "--stage", "0", "--public-name", "bob", "--no-trainer")
     bob.wait_for("serving stage 0")
     # alice's trainer has a loss (its own status line says so) before peer-status is asked
     alice.wait_for_json(lambda line: line.get("trainer_loss") is not None, timeout=90, what="a trainer loss")
@@ -306,8 +307,15 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder, ca
 
     runs = StatusRuns()
     try:
+        # the two peer-status processes start at once (each loads torch and hivemind: seconds), and the checks in
+        # this process run while they do: the rich tables, and --watch, whose first document is read before bob dies
+        tables = runs.start("--join", str(path))
+        watch = runs.start("--join", str(path), "--watch", "1", "--json", stderr=subprocess.DEVNULL)
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout], daemon=True).start()
+
         # the program itself: the rich tables (piped, as a script would read them)
-        code, out, err = runs.result(runs.start("--join", str(path)))
+        code, out, err = runs.result(tables)
         assert code == HEALTHY, err
         for text in ("test-swarm", manifest.swarm_id, "healthy", "alice", "bob", alice.peer_id()[-8:], "training:",
                      "chunks finished"):  # fmt: skip
@@ -326,10 +334,6 @@ def test_peer_status_of_a_live_swarm(start_peer, write_manifest, http_folder, ca
             assert {p["public_name"] for p in doc["peers"]} == {"alice", "bob"}
 
         # --watch, a process of its own: bob dies; he shows as stale or gone, and the swarm as degraded
-        watch = runs.start("--join", str(path), "--watch", "1", "--json", stderr=subprocess.DEVNULL)
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout], daemon=True).start()
-
         def next_document() -> dict:
             try:
                 return json.loads(lines.get(timeout=60))  # a watch that stalls fails the test instead of hanging it
