@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from peers.processes import PeerProcess, start_local_peer, stop_peers
 from swarm.architectures.model import build_stage
 from swarm.balancing.optimum import optimal_assignment
 from swarm.dht import node
+from swarm.local.processes import PeerProcess, start_local_peer, stop_peers
 from swarm.manifests.validation import manifest_from_dict
 from swarm.throughput import cached_compute_throughput
 

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from peers import processes
+from swarm.local import processes
 from swarm.manifests.presets import fast_test_swarm_dict
 
 DETECTION_TIMEOUT = 300.0

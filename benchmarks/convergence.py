@@ -26,7 +26,7 @@ would have sent (each replica 2(n-1)/n x 4 bytes x its stage's parameters per op
 over what was sent. Rounds: per swarm run, the peers' averaging-round events by outcome (applied, skipped,
 dropped, alone, caught_up) and the stage states taken to catch up, summed over the peers.
 
-Links: with --links, every stage peer sits behind an emulated home link (swarm/network/emulated_links.py; the delay is
+Links: with --links, every stage peer sits behind an emulated home link (swarm/local/emulated_links.py; the delay is
 one-way per link, a path between two peers crosses two); rounds_succeeded is applied / (applied + skipped +
 dropped) over the peers' rounds.
 
@@ -60,14 +60,14 @@ from benchmarks.common import (
     wait_online,
 )
 from peers import runtime
-from peers.processes import start_local_peer, stop_peers
 from swarm.architectures.model import build_full_model, build_stage, count_parameters
 from swarm.client.trainer import Trainer
 from swarm.dataset.shards import TextData, sample_batch
 from swarm.dht import node
+from swarm.local.emulated_links import EmulatedLinks, LinkSpec
+from swarm.local.processes import start_local_peer, stop_peers
 from swarm.manifests.loading import load_manifest
 from swarm.manifests.manifest import Manifest
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.link_calls [--link 20mbit/25ms]
 
-Two hivemind P2P nodes, each behind its own emulated link (swarm/network/emulated_links.py), so a path crosses two links
+Two hivemind P2P nodes, each behind its own emulated link (swarm/local/emulated_links.py), so a path crosses two links
 (one-way delay: both ends' delays; bandwidth: the smaller). The second node calls a protobuf handler of the first
 with requests of several sizes, one at a time, then four at once. Prints one JSON line: per size the measured
 milliseconds and the ideal (round trip + size over the link's rate), and their ratio, so that the cost of libp2p's
@@ -20,7 +20,7 @@ import time
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec
+from swarm.local.emulated_links import EmulatedLinks, LinkSpec
 
 SIZES = [100, 65536, 262144, 1048576]  # a unary call carries at most 4 MiB
 CONCURRENT = 4

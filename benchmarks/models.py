@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from benchmarks.common import download_parameters, online_by_stage, stop_on_sigterm, wait_online
-from peers.processes import start_local_peer, stop_peers
 from swarm.architectures.model import build_full_model, count_parameters
 from swarm.client.export import assemble_full_state
 from swarm.client.trainer import Trainer
@@ -40,6 +39,7 @@ from swarm.dataset.documents import training_texts
 from swarm.dataset.shards import TokenShards, TrainingStream, bits_per_byte
 from swarm.dataset.tokenizer import Tokenizer, byte_tokenizer, train_tokenizer
 from swarm.dht import node
+from swarm.local.processes import start_local_peer, stop_peers
 from swarm.manifests.manifest import Manifest
 from swarm.manifests.presets import new_manifest
 from swarm.wire.state import make_optimizer

@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from peers import processes
 from swarm.dht.records import Announcement, TrainerReport, announcement_lifetime
+from swarm.local import processes
 from swarm.manifests.loading import load_manifest
 from swarm.manifests.presets import fast_test_swarm_dict
 from swarm.monitor.history import THINNING, History

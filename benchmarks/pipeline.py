@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from peers import runtime
-from peers.processes import start_local_peer, stop_peers
 from swarm.architectures.model import build_full_model
 from swarm.client.trainer import Trainer
 from swarm.dataset.shards import TextData, sample_batch
 from swarm.dht import node
 from swarm.dht.records import PeerState, fetch_announcements
+from swarm.local.processes import start_local_peer, stop_peers
 from swarm.manifests.loading import load_manifest
 from swarm.manifests.manifest import Manifest
 

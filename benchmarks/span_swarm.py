@@ -39,13 +39,13 @@ from benchmarks.common import (
     online_by_stage,
     stop_on_sigterm,
 )
-from peers.processes import PeerProcess, start_local_peer, stop_peers
 from swarm.capacity.budget import MARGIN
 from swarm.capacity.costs import MemorySettings, longest_span, span_cost
 from swarm.client.export import assemble_full_state
 from swarm.client.trainer import Trainer
 from swarm.dataset.shards import TextData
 from swarm.dht import node
+from swarm.local.processes import PeerProcess, start_local_peer, stop_peers
 from swarm.manifests.manifest import Manifest
 from swarm.manifests.presets import new_manifest
 

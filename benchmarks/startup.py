@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import start_milestones
-from peers import processes
-from peers.processes import free_ports
+from swarm.local import processes
+from swarm.local.processes import free_ports
 from swarm.manifests.presets import fast_test_swarm_dict
 
 START_TIMEOUT = 120.0

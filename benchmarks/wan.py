@@ -15,7 +15,7 @@ arithmetic_bound (1 / transfer_over_compute, at most 1) and projected_tokens_per
 GPU's compute-bound tokens/s through the pipeline). Scenarios: llama-1b-4090-{200,50,20}mbit,
 llama-7b-4090-50mbit, nanogpt-h100-200mbit.
 
-Each peer (one per stage, a second one on stage 1 in the hetero settings, and two trainer-only peers) sits behind its own emulated link (swarm/network/emulated_links.py:
+Each peer (one per stage, a second one on stage 1 in the hetero settings, and two trainer-only peers) sits behind its own emulated link (swarm/local/emulated_links.py:
 bandwidth per direction, one-way delay; a path between two peers crosses both their links). For each setting and
 pipeline (`forward`: stages pass activations to each other; `relay`: the trainer carries them, the protocol before
 issue 14) it prints one JSON line:
@@ -47,12 +47,12 @@ from pathlib import Path
 
 from benchmarks.common import stop_on_sigterm
 from benchmarks.gpu_scenarios import SCENARIOS, local_link
-from peers import processes
+from swarm.local import processes
+from swarm.local.emulated_links import EmulatedLinks, LinkSpec
 from swarm.manifests.loading import write_manifest
 from swarm.manifests.manifest import COMPRESSIONS
 from swarm.manifests.presets import new_manifest
 from swarm.manifests.validation import manifest_from_dict
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec
 
 STAGES = 3
 SCENARIO_STAGES = 4  # the GPU-equivalent scenarios' local swarm: llama-1b's 4 stages (the 7B's 8 are not)

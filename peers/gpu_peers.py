@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from peers.processes import stop_peers
 from swarm import lifetime
 from swarm.files import cache_root
+from swarm.local.processes import stop_peers
 
 VALUE_FLAGS = ("--gpus", "--device", "--identity", "--metrics-port")  # flags replaced per GPU, with their value
 

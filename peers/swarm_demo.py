@@ -18,13 +18,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from peers import processes, runtime
+from peers import runtime
 from swarm.architectures.model import build_full_model
 from swarm.client.trainer import Trainer
 from swarm.dataset.shards import TextData, heldout_batches
 from swarm.dht import node
 from swarm.dht.records import PeerState, fetch_announcements, fetch_trainer_reports
 from swarm.errors import SwarmError
+from swarm.local import processes
 from swarm.manifests.loading import load_manifest, write_manifest
 from swarm.manifests.manifest import Manifest
 from swarm.server.reachability import ReachabilityService

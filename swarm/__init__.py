@@ -9,6 +9,7 @@ package imports one above it):
   within a stage, which stage a peer serves, what a peer can hold.
 - client/: what calls other peers' stages (the trainer); watch/: watching a peer and a swarm; monitor/: the page.
 - server/: what serves a stage; peer/: one peer, composing both; preflight/: swarm-peer --check.
+- local/: a whole swarm on one machine (peer processes, emulated links), for swarm-demo, tests and benchmarks.
 
 Plain modules: errors.py (the one exception hierarchy), events.py (what a peer reports to its program), files.py
 (atomic writes), lifetime.py (children that end with their parent), routing.py (a trainer's choice of route),

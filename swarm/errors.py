@@ -161,7 +161,7 @@ class TooSlowToServeError(CapacityError):
 
 
 class EmulatedLinkError(SwarmError):
-    """An emulated link (swarm/network/emulated_links.py) was given a spec it cannot parse, or a name or port
+    """An emulated link (swarm/local/emulated_links.py) was given a spec it cannot parse, or a name or port
     that is taken or invalid."""
 
 

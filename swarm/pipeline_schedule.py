@@ -9,7 +9,7 @@ Downlinks are not the bottleneck of a home link and are not modelled.
 
 benchmarks/protocol_nanogpt.py uses it where running the real swarm would take hours per step (at the speedrun's
 GPU-equivalent links an 8-bit step takes minutes on this machine). Its link is the one of
-swarm/network/emulated_links.py (a rate and a one-way delay), without the sockets.
+swarm/local/emulated_links.py (a rate and a one-way delay), without the sockets.
 """
 
 from __future__ import annotations

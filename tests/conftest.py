@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from peers import processes
-from peers.processes import LOOPBACK, PeerProcess
+from swarm.local import processes
+from swarm.local.processes import LOOPBACK, PeerProcess
 from swarm.manifests.presets import fast_test_swarm_dict as tiny_manifest_dict
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from conftest import ROOT, live_processes, tiny_manifest_dict, wait_until
-from peers import processes
 from peers.swarm_demo import main as demo_main
 from peers.swarm_peer import main as peer_main
 from peers.swarm_peer import parse_args as peer_parse_args
+from swarm.local import processes
 
 pytestmark = pytest.mark.integration
 

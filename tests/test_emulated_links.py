@@ -1,4 +1,4 @@
-"""The emulated links (swarm/network/emulated_links.py): delay, bandwidth shared by a peer's connections, both ends of a
+"""The emulated links (swarm/local/emulated_links.py): delay, bandwidth shared by a peer's connections, both ends of a
 connection, byte counts, and specs that do not parse. Real sockets on loopback."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from swarm.errors import EmulatedLinkError
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec
+from swarm.local.emulated_links import EmulatedLinks, LinkSpec
 
 
 class EchoServer:

@@ -1,5 +1,5 @@
 """Stage-to-stage forwarding with real peer processes, each behind an emulated home link
-(swarm/network/emulated_links.py): the trainer's link carries tokens, not activations; a stage peer killed mid-training is
+(swarm/local/emulated_links.py): the trainer's link carries tokens, not activations; a stage peer killed mid-training is
 routed around, and no stage applies a microbatch twice."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 import pytest
 
 from conftest import settled_status, tiny_manifest_dict
+from swarm.local.emulated_links import EmulatedLinks, LinkSpec
 from swarm.manifests.validation import manifest_from_dict
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec
 
 pytestmark = pytest.mark.integration
 

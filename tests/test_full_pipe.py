@@ -13,8 +13,8 @@ import pytest
 
 from conftest import client_dht, tiny_manifest_dict
 from swarm.dht.records import fetch_announcements
+from swarm.local.emulated_links import EmulatedLinks, LinkSpec
 from swarm.manifests.validation import manifest_from_dict
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow(40)]
 

@@ -215,6 +215,30 @@ def test_packages_import_each_other_in_one_direction():
     )
 
 
+# the programs that start peer processes themselves; every other program, and every module a peer runs, does not
+LAUNCHERS = ("peers/swarm_demo.py", "peers/gpu_peers.py")
+
+
+def test_what_starts_local_swarms_stays_out_of_a_peer():
+    """swarm/local/ (peer processes on loopback, emulated links) is for swarm-demo, the tests and the benchmarks:
+    no module of the library a peer runs imports it, nor any program but those that start peers."""
+    graph = import_graph()
+    wrong = [
+        f"{module} imports {target}"
+        for module, targets in sorted(graph.items())
+        if not module.startswith("swarm.local")
+        for target in sorted(targets)
+        if target.startswith("swarm.local")
+    ]
+    for path in sorted((ROOT / "peers").glob("*.py")):
+        if str(path.relative_to(ROOT)) not in LAUNCHERS:
+            names = imported_names(path, module_name(path), set())
+            wrong += [
+                f"{path.relative_to(ROOT)} imports {name}" for name in sorted(names) if name.startswith("swarm.local")
+            ]
+    assert not wrong, "swarm/local/ imported where a peer runs:\n" + "\n".join(wrong)
+
+
 def test_every_module_is_on_its_package_map():
     """Each package's __init__ docstring lists its modules (and subpackages) by file name: a newcomer reads one
     docstring to find where a thing lives. A map that names a file that is not there is stale."""

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, tiny_manifest_dict
-from peers import processes
-from peers.processes import free_ports
 from peers.swarm_monitor import main as monitor_main
 from swarm.capacity.budget import format_memory
+from swarm.local import processes
+from swarm.local.processes import free_ports
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = ROOT / "test-artifacts"  # screenshots the browser test leaves for people to look at

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from conftest import ROOT, tiny_manifest_dict
-from peers.processes import free_ports
 from swarm.capacity.budget import usable_budget
 from swarm.capacity.costs import MemorySettings
 from swarm.dataset.corpus import index_sha256, prepare_corpus
 from swarm.dataset.tokenizer import byte_tokenizer
+from swarm.local.processes import free_ports
 from swarm.manifests.validation import manifest_from_dict
 from swarm.preflight.checks import Blocks, Check, ExitCode, Status, exit_code, memory_check, no_cuda_reason
 from swarm.preflight.run import ORDER

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_manifest_dict
-from peers.processes import free_ports
 from swarm.dataset.corpus import index_sha256, prepare_corpus
 from swarm.dataset.index import parse_index
 from swarm.dataset.tokenizer import byte_tokenizer
+from swarm.local.processes import free_ports
 from swarm.manifests.loading import load_manifest
 from swarm.manifests.validation import manifest_from_dict
 from swarm.preflight.checks import Blocks, Status

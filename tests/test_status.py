@@ -15,9 +15,9 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import ROOT, tiny_manifest_dict
-from peers import processes
 from peers.peer_status import main as status_main
 from swarm.dht.records import Announcement, TrainerReport, announcement_lifetime
+from swarm.local import processes
 from swarm.manifests.loading import load_manifest
 from swarm.manifests.validation import manifest_from_dict
 from swarm.watch.reader import SwarmReader

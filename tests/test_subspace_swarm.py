@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import tiny_manifest_dict
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec
+from swarm.local.emulated_links import EmulatedLinks, LinkSpec
 
 pytestmark = pytest.mark.integration
 

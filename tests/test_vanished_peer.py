@@ -15,7 +15,7 @@ from hivemind.proto import runtime_pb2
 
 from conftest import tiny_manifest_dict
 from swarm.client import rpc
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec
+from swarm.local.emulated_links import EmulatedLinks, LinkSpec
 
 GOAL = 10.0  # seconds of progress a vanished peer may cost the swarm (issue 33)
 LINK = LinkSpec.parse("100mbit/5ms")

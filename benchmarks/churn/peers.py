@@ -14,8 +14,8 @@ from pathlib import Path
 
 from hivemind.p2p import P2P, PeerID
 
-from peers import processes
-from peers.processes import PeerProcess, free_ports
+from swarm.local import processes
+from swarm.local.processes import PeerProcess, free_ports
 from swarm.manifests.manifest import Manifest
 from swarm.manifests.presets import fast_test_swarm_dict
 from swarm.manifests.validation import manifest_from_dict

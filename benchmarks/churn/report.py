@@ -9,7 +9,7 @@ from pathlib import Path
 
 from benchmarks.churn.peers import CHECKPOINT_EVERY, Settings, down_at, log_text
 from benchmarks.churn.swarm import Event, Swarm
-from peers.processes import PeerProcess
+from swarm.local.processes import PeerProcess
 from swarm.manifests.manifest import Manifest
 
 STALL_MARGIN = 5.0  # the stall goal: the larger timeout plus this

@@ -38,9 +38,10 @@ import torch
 
 from benchmarks.common import benchmark_manifest, stop_on_sigterm
 from benchmarks.load.clients import run_load
-from peers import processes, runtime
-from peers.processes import PeerProcess, memory_mb, peer_processes, stop_peers
+from peers import runtime
 from swarm.client.pipeline import NO_PEER_WAIT
+from swarm.local import processes
+from swarm.local.processes import PeerProcess, memory_mb, peer_processes, stop_peers
 from swarm.server import admission
 from swarm.server.admission import MAX_PENDING_REQUESTS
 

@@ -36,12 +36,12 @@ from pathlib import Path
 
 from benchmarks.common import stop_on_sigterm
 from benchmarks.public_data.readers import read_one_epoch
-from peers import processes
 from swarm.dataset.corpus import index_sha256, prepare_corpus
 from swarm.dataset.tokenizer import byte_tokenizer
+from swarm.local import processes
+from swarm.local.emulated_links import EmulatedLinks, LinkSpec
 from swarm.manifests.presets import fast_test_swarm_dict
 from swarm.manifests.validation import manifest_from_dict
-from swarm.network.emulated_links import EmulatedLinks, LinkSpec
 
 WORDS = "swarm peer stage trainer chunk token data epoch volunteer network model layer gradient".split()
 

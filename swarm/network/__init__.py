@@ -4,5 +4,4 @@
 - startup_cache.py: answers of start-up checks (reachability, identity) that a restart on this machine reuses.
 - http_get.py: an HTTP GET with a deadline for its whole body (a manifest or a tokenizer by URL).
 - liveness.py: whether a peer that owes this one a reply is still there (a vanished peer costs seconds).
-- emulated_links.py: emulated internet links (bandwidth, delay, jitter) for tests and benchmarks on one machine.
 """

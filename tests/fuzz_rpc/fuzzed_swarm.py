@@ -16,8 +16,8 @@ from hivemind.proto import runtime_pb2
 
 from conftest import PeerProcess
 from fuzzing import FIRST, FORWARD_TIMEOUT, LAST, MANIFEST, RAW_MANIFEST
-from peers import processes
 from swarm.client.rpc import download_state
+from swarm.local import processes
 from swarm.wire.state import stage_state_shapes
 
 from .clients import CALL_TIMEOUT, Clients, open_stream, stage_outcome

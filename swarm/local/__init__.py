@@ -1,0 +1,7 @@
+"""A whole swarm on one machine: what swarm-demo, the tests and the benchmarks start peers with. A peer never
+imports it (tests/test_layout.py checks that only the programs that start peers do).
+
+- processes.py: peer processes on loopback (started in sessions of their own, stopped cleanly or killed with
+  their DHT process and p2pd daemon), their logs read as they are written, the processes of a peer found in /proc.
+- emulated_links.py: emulated internet links (bandwidth, delay, jitter) between peers on one machine.
+"""
