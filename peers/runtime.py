@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from swarm.dht import hivemind_futures
 from swarm.errors import PeerStartError
 from swarm.files import cache_root
 from swarm.preflight.checks import no_cuda_reason
@@ -100,6 +101,7 @@ def program(name: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, _interrupt)
             try:
+                hivemind_futures.start_memory_manager_deaf_to_terminal()
                 return main(argv)
             except KeyboardInterrupt:
                 print(f"{name}: stopped", file=sys.stderr, flush=True)

@@ -285,7 +285,7 @@ async def run_peer(
         if peer.metrics is not None:
             print(f"metrics at {peer.metrics.url}", flush=True)
         if not await joined(peer, stop, max(args.status_every, JOIN_PROGRESS_EVERY)):
-            return 0  # stopped while joining (Ctrl-C): the finally below stops what started
+            return runtime.STOPPED  # stopped while joining (Ctrl-C): the finally below stops what started
         if peer.data is not None:
             index = peer.data.index
             print(

@@ -10,13 +10,20 @@ whose later `DHT(...)` calls hung for 300 s on `Lock(owner=SomeOtherProcess)`.
 The state the lock guards (`_pid`, `_buffer`, `_index`) is per process anyway (fork copies it, and `next()`
 starts a new buffer when the pid changes), so it only needs a lock per process: a thread lock, made afresh in each
 forked child so that a fork taken while another thread held it cannot start locked either.
+
+Those shared bytes live in shared memory that torch hands out through a helper process, torch_shm_manager, which it
+starts at the first use, in the caller's process group. A terminal's Ctrl-C reaches the whole group: the manager
+dies, and the program's next future waits for it forever (seen: a peer stopped by Ctrl-C during its start hung
+there). `start_memory_manager_deaf_to_terminal` starts it with the terminal's signals ignored, which it keeps.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 
+import torch
 from hivemind.utils.mpfuture import SharedBytes
 
 _installed = False
@@ -34,3 +41,18 @@ def install() -> None:
     _installed = True
     _fresh_lock()
     os.register_at_fork(after_in_child=_fresh_lock)
+
+
+def start_memory_manager_deaf_to_terminal() -> None:
+    """Start torch's shared-memory manager now, with SIGINT and SIGHUP ignored (dispositions that an exec keeps), so
+    that a terminal's Ctrl-C to the program's group does not end it. For programs: call it from the main thread,
+    before the first future."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    ignored = (signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
+    try:
+        torch.zeros(1).share_memory_()  # under hivemind's file_system strategy: starts the manager
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import tempfile
 from pathlib import Path
@@ -38,6 +39,8 @@ class GroupedDHT(DHT):
 
     def run(self) -> None:
         os.setpgid(0, 0)
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # not the peer's handlers, which it inherits: a plain end
+            signal.signal(sig, signal.SIG_DFL)
         lifetime.end_group_when_parent_is_gone()  # a peer killed outright leaves no DHT process or p2pd behind
         super().run()
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from swarm import lifetime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (tests/adversaries/ runs from there)
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 MADDR = r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)"  # a loopback address as a peer prints it
 PEER_ID = r"peer ((?:12D3|Qm)\w+)"  # as a peer prints its id (Qm: an RSA key, from --identity)
