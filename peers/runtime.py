@@ -7,6 +7,7 @@ import asyncio
 import errno
 import functools
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -105,7 +106,11 @@ def program(name: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
                 return main(argv)
             except KeyboardInterrupt:
                 print(f"{name}: stopped", file=sys.stderr, flush=True)
-                return STOPPED
+                sys.stdout.flush()
+                # at once: an interrupt in the middle of a start can leave an event loop or a DHT process half
+                # made, whose clean-up at exit prints noise or waits; the DHT process and its daemon end by
+                # themselves when this process is gone (swarm/lifetime.py)
+                os._exit(STOPPED)
             except OSError as e:
                 if e.filename is None:  # not a file's: a bug or the network, which the program reports itself
                     raise

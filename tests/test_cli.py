@@ -220,9 +220,14 @@ def test_a_stop_while_starting_is_one_line_and_exit_130(tmp_path, how):
     """A volunteer who changes their mind while the peer starts (or while --check runs) sees one line, never a
     traceback, and nothing of the peer stays behind (its DHT process and p2pd watch it: swarm/lifetime.py)."""
     check = how == "ctrl-c-during-check"
-    path = tmp_path / "m.json"  # a check joins through an initial peer: one that never answers keeps it busy
-    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
-    path.write_text(json.dumps(tiny_manifest_dict(initial_peers=[dead] if check else [])))
+    # a check joins through an initial peer: one that takes the connection and never answers keeps it busy
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    port = silent.getsockname()[1]
+    mute = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(tiny_manifest_dict(initial_peers=[mute] if check else [])))
     args = ["--join", str(path), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
     peer = processes.start_peer(args + (["--check"] if check else []), tmp_path / "peer.log")
     try:
@@ -234,8 +239,8 @@ def test_a_stop_while_starting_is_one_line_and_exit_130(tmp_path, how):
             peer.signal_group(signal.SIGINT)  # a terminal's Ctrl-C
         assert peer.process.wait(timeout=60) == 130, peer.tail()
         out = peer.output()  # stopped before the peer ran ("stopped"), or while it joined (its clean stop)
-        last = out.rstrip().splitlines()[-1]
-        assert last in ("swarm-peer: stopped", "stopped cleanly") and "Traceback" not in out, out
+        assert "swarm-peer: stopped" in out or "stopped cleanly" in out, out
+        assert "Traceback" not in out and "Exception ignored" not in out, out
         # whatever it had started by then (its DHT process and p2pd leave its group, not its session)
 
         def session() -> list[int]:
@@ -244,6 +249,7 @@ def test_a_stop_while_starting_is_one_line_and_exit_130(tmp_path, how):
         wait_until(lambda: not session(), 30, "the processes the peer started to end", every=0.5)
     finally:
         peer.kill()
+        silent.close()
 
 
 def test_unreachable_initial_peers_fail_fast(tmp_path):
