@@ -161,27 +161,28 @@ def test_a_port_in_use_is_named_with_what_to_do(tmp_path):
     assert "choose another port in --host-maddrs" in out and "Traceback" not in out
 
 
-def test_a_full_disk_is_named_with_what_to_do(tmp_path):
-    """The trainer's dataset cache does not fit in a 256 kB file system (a tmpfs this test mounts: it needs root)."""
-    disk = tmp_path / "small-disk"
+def _peer_with_cache_on_tmpfs(tmp_path, options: str) -> subprocess.CompletedProcess:
+    """swarm-peer run to its end with SWARM_CACHE_DIR on a tmpfs mounted with `options` (skipped without root)."""
+    disk = tmp_path / "disk"
     disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)]).returncode:
-        pytest.skip("mounting a small tmpfs needs root")
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
     try:
         path = tmp_path / "m.json"
         path.write_text(json.dumps(tiny_manifest_dict()))
         env = {**os.environ, "SWARM_CACHE_DIR": str(disk / "cache")}
-        result = subprocess.run(
+        return subprocess.run(
             [sys.executable, "-m", "peers.swarm_peer", "--join", str(path), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=90,
-            start_new_session=True,
-            env=env,
-        )
+            cwd=ROOT, capture_output=True, text=True, timeout=90, start_new_session=True, env=env,
+        )  # fmt: skip
     finally:
         subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_a_full_disk_is_named_with_what_to_do(tmp_path):
+    """The trainer's dataset cache does not fit in a 256 kB file system."""
+    result = _peer_with_cache_on_tmpfs(tmp_path, "size=256k")
+    disk = tmp_path / "disk"
     out = result.stdout + result.stderr
     assert result.returncode == 2, out
     assert f"swarm-peer: error: the disk is full: the peer writes its dataset's tokens and caches under {disk}" in out
@@ -189,24 +190,9 @@ def test_a_full_disk_is_named_with_what_to_do(tmp_path):
 
 
 def test_a_read_only_cache_is_named_with_what_to_do(tmp_path):
-    """The cache folder is on a read-only file system (a tmpfs this test mounts read-only: it needs root)."""
-    disk = tmp_path / "read-only"
-    disk.mkdir()
-    if (
-        os.geteuid() != 0
-        or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(disk)]).returncode
-    ):
-        pytest.skip("mounting a read-only tmpfs needs root")
-    try:
-        path = tmp_path / "m.json"
-        path.write_text(json.dumps(tiny_manifest_dict()))
-        env = {**os.environ, "SWARM_CACHE_DIR": str(disk / "cache")}
-        result = subprocess.run(
-            [sys.executable, "-m", "peers.swarm_peer", "--join", str(path), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-            cwd=ROOT, capture_output=True, text=True, timeout=90, start_new_session=True, env=env,
-        )  # fmt: skip
-    finally:
-        subprocess.run(["umount", "-l", str(disk)])
+    """The cache folder is on a read-only file system."""
+    result = _peer_with_cache_on_tmpfs(tmp_path, "ro,size=64k")
+    disk = tmp_path / "disk"
     out = result.stdout + result.stderr
     assert result.returncode == 2, out
     error = result.stderr.strip()
