@@ -278,7 +278,7 @@ def stage_table(document: dict[str, Any]) -> Table:
 def peers_table(document: dict[str, Any]) -> Table:
     table = Table(title="peers", title_justify="left")
     columns = (
-        "peer", "name", "stages", "state", "speed", "delivered", "attested", "claimed", "queue", "memory", "uptime", "seen"
+        "peer", "name", "stages", "state", "behind", "speed", "delivered", "attested", "claimed", "queue", "memory", "uptime", "seen"
     )  # fmt: skip
     numbers = ("speed", "delivered", "attested", "claimed", "queue")
     for column in (*columns, "device", "version", "reachable"):
@@ -290,6 +290,7 @@ def peers_table(document: dict[str, Any]) -> Table:
             _stages(p.get("span") or [p["stage"], p["stage"] + 1])
             + (f" -> {_stages(p['moving_to'])}" if p.get("moving_to") else ""),
             Text(_state(p), style=STATUS_STYLES.get(p["status"], "default")),
+            _behind(p.get("steps_behind", 0)),
             f"{p['throughput']:.1f}/s",
             f"{p['delivered_throughput']:.1f}/s",
             _count(p["attested_samples"]),  # what trainers vouch for in their signed reports
@@ -336,6 +337,11 @@ def _memory(used: int, available: int) -> str:
 def _state(peer: dict) -> str:
     """Its status; for a peer no longer announced, whether it said it left or just vanished."""
     return f"gone ({peer['departure']})" if peer["status"] == "gone" and peer.get("departure") else peer["status"]
+
+
+def _behind(steps: int) -> str:
+    """How stale the state a peer took over was (a checkpoint's optimizer steps behind the stage): what was lost."""
+    return f"{steps} steps" if steps else "-"
 
 
 def _stages(span: list[int]) -> str:

@@ -133,6 +133,9 @@ def test_a_vanished_only_holder_comes_back_from_a_backup_on_another_peer(start_p
     assert taken["source"] == "checkpoint" and taken["peer_id"] == trainer.peer_id(), taken
     # the freshest backup in the swarm: what the holder trained since it is all that was lost
     assert taken["optimizer_steps"] == max(backups) > 0, (taken, backups)
+    # what was lost is announced with the stage (peer-status shows it): the status line reads the same figures
+    line = taker.wait_for_json(lambda s: s.get("stage") == 1 and "event" not in s, 30, "a status line of stage 1")
+    assert line["steps_behind"] == taken["steps_behind"], (line, taken)
     trainer.wait_for_json(lambda line: (line.get("trainer_samples") or 0) > samples + 32, 60, "training again")
     stall = time.monotonic() - vanished
     print(f"the only holder of stage 1 vanished: training went on after {stall:.1f} s, "

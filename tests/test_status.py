@@ -95,6 +95,32 @@ def test_a_slow_read_does_not_make_a_fresh_peer_stale_and_departed_peers_are_tol
     assert gone == {"fresh": ("online", None), "leaver": ("gone", "left"), "vanisher": ("gone", "vanished")}, gone
 
 
+def test_a_peer_that_took_its_stage_from_a_stale_checkpoint_says_how_many_steps_were_lost():
+    """steps_behind travels in the record (an older peer's record has none: 0) into the document and the table."""
+    from rich.console import Console
+
+    from peers.peer_status import peers_table
+    from swarm.dht.records import parse_announcement
+
+    def read_back(ann: Announcement, without: tuple[str, ...] = ()) -> Announcement:
+        record = {key: value for key, value in ann.to_record().items() if key not in without}
+        parsed = parse_announcement(ann.peer_id, record, ann.stage, ann.expiration)
+        assert parsed is not None
+        return parsed
+
+    recovered = read_back(announcement("12D3KooW" + "Behind" * 4, 0, steps_behind=12))
+    older = read_back(announcement("12D3KooW" + "Fresh" * 4, 1, steps_behind=3), without=("steps_behind",))
+    assert (recovered.steps_behind, older.steps_behind) == (12, 0)
+    document = swarm_health(MANIFEST, [[recovered], [older]], [], NOW)
+    assert {p["peer_id"][-5:]: p["steps_behind"] for p in document["peers"]} == {"ehind": 12, "Fresh": 0}
+    console = Console(width=300, record=True)
+    console.print(peers_table(document))
+    rows = [[cell.strip() for cell in line.replace("┃", "│").split("│")] for line in console.export_text().splitlines()]
+    header = next(row for row in rows if "behind" in row)
+    behind = {row[header.index("peer")][-5:]: row[header.index("behind")] for row in rows if len(row) == len(header)}
+    assert behind["ehind"] == "12 steps" and behind["Fresh"] == "-", behind
+
+
 def test_peer_status_online_stale_offline():
     period = MANIFEST.network.announce_period
     assert peer_status(announcement("a", 0, age=0.5), NOW, period) == ("online", 0.5)

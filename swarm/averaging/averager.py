@@ -6,7 +6,7 @@ are in docs/AVERAGING.md.
 
 Thread model: begin_round() and finish_round() touch the model and run in the stage's worker thread
 (swarm/server/compute.py), between two requests; run_round() blocks on the network and runs in a thread of its
-own. A StageAverager is created on the main thread: hivemind sets a signal handler and forks a process.
+own. Creating a StageAverager forks hivemind's averager process (which ignores Ctrl-C: the peer stops it).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import signal
-import threading
 import time
 from typing import AsyncIterator  # noqa: UP035 (hivemind detects streams by typing.AsyncIterator only)
 
@@ -66,6 +65,24 @@ class _Averager(DecentralizedAverager):
         # the all-reduce timeout lives in shared memory: it adapts to measured rounds after the process forked
         self._shared_allreduce_timeout = mp.Value("d", 0.0, lock=False)
         super().__init__(*args, **kwargs)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """hivemind's, without its SIGINT 'ignore' in the calling process (set to make the child deaf to Ctrl-C, and
+        never restored: a Ctrl-C in the seconds the averager takes to start was lost, and the peer went on). Here
+        SIGINT is only held back while the process forks: the child ignores it before it can arrive (run), and the
+        caller receives one that came meanwhile as soon as the fork is done."""
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the peer, which stops this process
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        super().run()
 
     @property
     def _allreduce_timeout(self) -> float | None:  # read by hivemind's _step, in the averager's process
@@ -169,7 +186,7 @@ class StageAverager:
         self.last_matchmaking_seconds = self.last_allreduce_seconds = 0.0
         self.secret = manifest.secret  # a private swarm's rounds admit only peers that prove they hold it
         self._proof = manifest.proof(str(dht.peer_id))
-        self._averager = _create_averager(
+        self._averager = _Averager(
             buffers,
             dht,
             swarm_secret=manifest.secret,
@@ -351,18 +368,6 @@ class StageAverager:
             self._averager.shutdown()
         except Exception as e:  # its process may already be gone
             logger.warning(f"stopping the averager failed: {e!r}")
-
-
-def _create_averager(*args, **kwargs) -> _Averager:
-    """hivemind sets SIGINT to 'ignore' in the calling process before it forks the averager (so that the child
-    ignores Ctrl-C) and never restores it: the peer would no longer stop on Ctrl-C. Restore it."""
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if in_main_thread else None
-    try:
-        return _Averager(*args, **kwargs)
-    finally:
-        if in_main_thread and previous is not None:
-            signal.signal(signal.SIGINT, previous)
 
 
 def _initialize_optimizer_state(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:

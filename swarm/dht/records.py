@@ -121,6 +121,7 @@ class Announcement:
     staleness_max: int = 0
     memory_used: int = 0  # bytes the peer holds (swarm/capacity/budget.py); 0: not announced
     memory_available: int = 0  # bytes it may use
+    steps_behind: int = 0  # optimizer steps the state it took over was behind the stage's (trained state lost then)
     reachable: bool = True  # False: others cannot dial it (NAT, firewall); it dials them (swarm/server/reachability.py)
     maddrs: tuple[str, ...] = ()  # where to dial it; an unreachable peer dials these of the others
     coordinate: Coordinate | None = None  # its network coordinate (swarm/network/coordinates.py); None: not announced
@@ -192,6 +193,7 @@ def parse_announcement(subkey: Any, record: Any, stage: int, expiration: float) 
             staleness_max=_count(record.get("staleness_max", 0)),
             memory_used=_count(record.get("memory_used", 0)),  # optional: added to protocol 7 later (spans)
             memory_available=_count(record.get("memory_available", 0)),
+            steps_behind=_count(record.get("steps_behind", 0)),  # optional: added to protocol 7 later
             reachable=_flag(record.get("reachable", True)),  # optional: added to protocol 3 later
             maddrs=_addresses(record.get("maddrs", [])),
             coordinate=None if record.get("coordinate") is None else Coordinate.from_record(record["coordinate"]),

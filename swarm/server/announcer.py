@@ -71,6 +71,7 @@ def announcement(facts: PeerFacts, stats: StageStats, coordinate: Coordinate | N
         staleness_max=stats.staleness_max,
         memory_used=stats.memory_used,
         memory_available=stats.memory_available,
+        steps_behind=stats.steps_behind,
         reachable=facts.reachable,
         maddrs=facts.maddrs,
         coordinate=coordinate,

@@ -102,6 +102,7 @@ class StageServer:
         self.worker = StageWorker(StageCompute(manifest, stage, model, device, simulated, kept_microbatches, offload))
         self.admission = Admission(manifest, peer_id)
         self.state = PeerState.JOINING
+        self.steps_behind = 0  # set by server/takeover.py: how stale the state it took over was
         slots = manifest.training.microbatches_per_step if manifest.training.pipelining == "flush" else 0
         self.requests = RequestPath(self.admission, self.worker, lambda: self.state, slots)  # one path for all
         # the rebalancer's, while this peer serves several stages: drop the span's last one (False: it cannot now)
@@ -326,6 +327,7 @@ class StageServer:
             staleness_max=counters.staleness_max,
             out_of_memory=self.requests.out_of_memory,
             kept_microbatches=self.worker.kept_microbatches,
+            steps_behind=self.steps_behind,
             gate_waiting=gate.waiting if gate is not None else 0,
             gate_waited=gate.waited if gate is not None else 0,
             gate_expired=gate.expired if gate is not None else 0,

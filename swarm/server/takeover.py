@@ -83,7 +83,7 @@ class StateTakeover:
                     f"took over the state of stage {stage} from peer {source.peer_id[-8:]} "
                     f"({counters['optimizer_steps']} optimizer steps) in {seconds:.1f}s"
                 )
-                self._report(stage, StateSource.PEER, source.peer_id, counters, seconds, reason)
+                self._report(server, StateSource.PEER, source.peer_id, counters, seconds, reason)
                 return True
             except Exception as e:  # a refusal, a timeout or a malformed state: try again, then another
                 logger.warning(f"state download of stage {stage} from {source.peer_id[-8:]} failed: {e!r}")
@@ -100,7 +100,7 @@ class StateTakeover:
                     f"({checkpoint.optimizer_steps} optimizer steps, saved {age:.1f} min ago, {behind} steps behind "
                     "the stage's last announced state)"
                 )
-                self._report(stage, StateSource.CHECKPOINT, "", checkpoint.counters, 0.0, reason, behind)
+                self._report(server, StateSource.CHECKPOINT, "", checkpoint.counters, 0.0, reason, behind)
                 return True
             except Exception as e:  # it passed the file checks but does not fit this stage's model
                 logger.error(f"checkpoint {checkpoint.path} does not fit stage {stage}: {e}; not loaded")
@@ -118,10 +118,10 @@ class StateTakeover:
             logger.info(
                 f"no online peer serves stage {stage} and no checkpoint of it: started from the pretrained model"
             )
-            self._report(stage, StateSource.PRETRAINED, "", {}, time.monotonic() - begin, reason, last_steps)
+            self._report(server, StateSource.PRETRAINED, "", {}, time.monotonic() - begin, reason, last_steps)
             return True
         logger.info(f"no online peer serves stage {stage} and no checkpoint of it: starting afresh")
-        self._report(stage, StateSource.FRESH, "", {}, 0.0, reason, last_steps)
+        self._report(server, StateSource.FRESH, "", {}, 0.0, reason, last_steps)
         return True
 
     async def _from_checkpoints(
@@ -170,7 +170,7 @@ class StateTakeover:
                 f"({kept.optimizer_steps} optimizer steps, saved {age:.1f} min ago, {behind} steps behind the "
                 "stage's last announced state)"
             )
-            self._report(stage, StateSource.CHECKPOINT, peer_id, counters, seconds, reason, behind)
+            self._report(server, StateSource.CHECKPOINT, peer_id, counters, seconds, reason, behind)
             return True
         return False
 
@@ -195,10 +195,10 @@ class StateTakeover:
                 continue
             seconds = time.monotonic() - begin
             logger.info(f"caught up with stage {stage}: the state of peer {source.peer_id[-8:]} in {seconds:.1f}s")
-            self._report(stage, StateSource.PEER, source.peer_id, theirs, seconds, "resume")
+            self._report(server, StateSource.PEER, source.peer_id, theirs, seconds, "resume")
             return StateSource.PEER
         fields = {"optimizer_steps": own[1], "averaging_round": own[0]}
-        self._report(stage, StateSource.OWN, "", fields, 0.0, "resume")
+        self._report(server, StateSource.OWN, "", fields, 0.0, "resume")
         return StateSource.OWN
 
     async def _handing_out(self, stage: int) -> list[Announcement]:
@@ -228,7 +228,7 @@ class StateTakeover:
 
     def _report(
         self,
-        stage: int,
+        server: StageServer,
         source: StateSource,
         peer_id: str,
         counters: dict[str, int],
@@ -236,7 +236,8 @@ class StateTakeover:
         reason: str,
         behind: int = 0,
     ) -> None:
-        fields = {"stage": stage, "source": str(source), "peer_id": peer_id, "steps_behind": behind}
+        server.steps_behind = behind  # announced, so that peer-status can say what was lost
+        fields = {"stage": server.stage, "source": str(source), "peer_id": peer_id, "steps_behind": behind}
         fields["online_peers"] = self._online if reason != "resume" else 0
         fields.update(optimizer_steps=counters.get("optimizer_steps", 0))
         fields.update(averaging_round=counters.get("averaging_round", 0), seconds=round(seconds, 2), reason=reason)

@@ -66,6 +66,7 @@ class StageStats:
     memory_available: int = 0  # bytes it may use (measured at start, or --max-memory); 0: not measured
     out_of_memory: int = 0  # requests that ran out of memory here (answered busy; the stage shed work)
     kept_microbatches: int = 0  # microbatches whose activations it keeps for backward now (shrinks on out of memory)
+    steps_behind: int = 0  # optimizer steps the state it took over was behind the stage's last announced one (lost)
 
     def to_dict(self) -> dict[str, Any]:
         """As the status line prints it."""
