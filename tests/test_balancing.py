@@ -18,6 +18,7 @@ from swarm.balancing.moves import (
     choose_stage,
     plan_moves,
     should_move,
+    stage_holders,
     stage_totals,
     worthwhile_moves,
 )
@@ -173,6 +174,36 @@ def test_an_unserved_stage_gets_a_peer_whenever_another_stage_can_spare_one():
         peers = [PeerLoad(f"p{i}", rng.randrange(3), rng.uniform(0.1, 2)) for i in range(rng.randint(4, 8))]
         totals = stage_totals(apply_moves(peers, plan_moves(peers, 4)), 4)
         assert totals[3] > 0  # stage 3 started unserved; 4 peers or more over stages 0-2: one has two
+
+
+def thin_stages(peers: list[PeerLoad], num_stages: int) -> int:
+    """Online holders missing below two, summed over the stages."""
+    return sum(max(0, 2 - count) for count in stage_holders([p for p in peers if p.online], num_stages))
+
+
+def test_a_stage_held_once_gets_a_second_holder_before_throughput_counts():
+    """min_holders 2: a joiner takes the thin stage though another has less throughput; a plan gives a stage held
+    once a second holder (the slowest peer of the stage with most peers) though the bottleneck falls; and no move
+    leaves a stage thin to balance throughput, unless it ends another's thinness."""
+    rng = random.Random(0)
+    assert choose_stage(swarm([5, 5], [20]), 2, rng) == 0  # by throughput alone
+    assert choose_stage(swarm([5, 5], [20]), 2, rng, min_holders=2) == 1
+    assert choose_stage(swarm([5, 5], [20]), 2, rng, allowed=[0], min_holders=2) == 0  # memory still decides
+    assert plan_moves(swarm([1, 2, 3], [10]), 2) == []  # a move would lower the bottleneck
+    assert plan_moves(swarm([1, 2, 3], [10]), 2, min_holders=2) == [Move("s0p0", 0, 1)]
+    assert worthwhile_moves(swarm([1, 2, 3], [10]), 2, min_gain=0.05, min_holders=2) == [Move("s0p0", 0, 1)]
+    assert should_move("s0p0", swarm([1, 2, 3], [10]), 2, min_gain=0.05, min_holders=2) == 1
+    # two stages of two: moving a fast peer to the weak stage would leave its own held once
+    assert plan_moves(swarm([10, 10], [1, 1]), 2) != [] and plan_moves(swarm([10, 10], [1, 1]), 2, min_holders=2) == []
+    # 3 peers, 2 stages: one stage is thin whatever happens, so throughput decides
+    assert plan_moves(swarm([10, 10], [1]), 2, min_holders=2) == plan_moves(swarm([10, 10], [1]), 2) != []
+    for seed in range(200):
+        rng = random.Random(seed)
+        num_stages = rng.randint(2, 6)
+        peers = random_swarm(rng, rng.randint(1, 30), num_stages)
+        after = apply_moves(peers, plan_moves(peers, num_stages, min_holders=2))
+        assert thin_stages(after, num_stages) <= thin_stages(peers, num_stages)
+        assert {p.stage for p in peers if p.online} <= {p.stage for p in after if p.online}
 
 
 def test_plan_steps_are_capped():

@@ -9,7 +9,8 @@ single move: docs/BALANCING.md, "Which stage a peer serves".
 What the I/O around these relies on: every peer computes the same plan from the same records (records are put
 in peer-id order first and ties go to the lowest peer id), every step of a plan strictly raises the sorted
 vector of stage totals (so plans end and cannot cycle), and a plan never takes a stage's last online peer nor
-moves a joining or pinned one.
+moves a joining or pinned one. With min_holders, a plan first gives thin stages more holders (each such step
+lowers the stages' holder deficit, and no step of either kind raises it).
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ def stage_totals(peers: Sequence[PeerLoad], num_stages: int) -> list[float]:
     return totals
 
 
+def stage_holders(peers: Sequence[PeerLoad], num_stages: int) -> list[int]:
+    """Peers per stage, joining ones included (they are taking its state)."""
+    counts = [0] * num_stages
+    for p in peers:
+        if 0 <= p.stage < num_stages:
+            counts[p.stage] += 1
+    return counts
+
+
 def bottleneck(totals: Sequence[float]) -> float:
     """The swarm's throughput: its slowest stage's total."""
     return min(totals)
@@ -80,16 +90,23 @@ def choose_stage(
     rng: random.Random,
     exclude_peer: str | None = None,
     allowed: Collection[int] | None = None,
+    min_holders: int = 1,
 ) -> int:
     """The stage with the lowest total among `allowed` (default: all; a peer's memory may hold only some),
-    ties broken at random with rng.
+    ties broken at random with rng; but while some allowed stage has fewer than `min_holders` peers, one of the
+    stages with the fewest (a stage held once is lost with its peer: a second holder comes before throughput).
 
     exclude_peer's own record is left out, so a peer re-checking its choice does not count itself.
     """
-    totals = stage_totals([p for p in peers if p.peer_id != exclude_peer], num_stages)
+    others = [p for p in peers if p.peer_id != exclude_peer]
+    totals = stage_totals(others, num_stages)
     stages = [stage for stage in range(num_stages) if allowed is None or stage in allowed]
     if not stages:
         raise BalancingError("no stage is allowed: the peer can hold none of them")
+    holders = stage_holders(others, num_stages)
+    if min(holders[stage] for stage in stages) < min_holders:
+        fewest = min(holders[stage] for stage in stages)
+        stages = [stage for stage in stages if holders[stage] == fewest]
     lowest = min(totals[stage] for stage in stages)
     # a relative tolerance: the same totals summed in another order may differ in the last bits
     tied = [stage for stage in stages if totals[stage] <= lowest + 1e-9 * max(lowest, 1.0)]
@@ -131,9 +148,10 @@ class SortedByThroughput:
 
 
 def _plan(
-    peers: Sequence[PeerLoad], num_stages: int, min_step: float, max_steps: int | None
-) -> tuple[list[Move], float, float]:
-    """plan_moves, also returning the bottleneck before and after the plan."""
+    peers: Sequence[PeerLoad], num_stages: int, min_step: float, max_steps: int | None, min_holders: int = 1
+) -> tuple[list[Move], float, float, int, int]:
+    """plan_moves, also returning the bottleneck and the holder deficit (online peers missing below min_holders,
+    summed over stages) before and after the plan."""
     # one record per peer, in peer-id order: every peer then sums in the same order and gets the same floats
     by_id = {p.peer_id: p for p in peers if 0 <= p.stage < num_stages}
     ordered = [by_id[peer_id] for peer_id in sorted(by_id)]
@@ -148,14 +166,39 @@ def _plan(
                 movable[p.stage].append((p.throughput, p.peer_id))
     start = bottleneck(totals)
     candidates = [SortedByThroughput(entries) for entries in movable]
+    keep = max(min_holders, 1)  # online peers a move leaves in its source stage, at least
 
+    def deficit() -> int:
+        return sum(max(0, keep - count) for count in online)
+
+    deficit_before = deficit()
     final_stage: dict[str, int] = {}
+
+    def move(peer_id: str, throughput: float, source: int, target: int) -> None:
+        # the same expressions as a step's value, so each step raises the sorted totals in floating point too
+        totals[source], totals[target] = totals[source] - throughput, totals[target] + throughput
+        online[source] -= 1
+        online[target] += 1
+        candidates[source].remove(throughput, peer_id)
+        candidates[target].add(throughput, peer_id)
+        final_stage[peer_id] = target
+
+    # first, holders: the thinnest stage takes the slowest movable peer of the stage with the most online peers
+    # above `keep` (each such move lowers the deficit by one and makes none, so this ends)
+    while min_holders > 1 and deficit() > 0:  # (min_holders 1: an unserved stage is the throughput steps' business)
+        thin = min(range(num_stages), key=lambda stage: (online[stage], stage))
+        sources = [s for s in range(num_stages) if online[s] > keep and candidates[s].keys]
+        if online[thin] >= keep or not sources:
+            break
+        source = max(sources, key=lambda s: (online[s], -s))
+        move(candidates[source].keys[0], candidates[source].speeds[0], source, thin)
     steps = 4 * len(ordered) if max_steps is None else max_steps
     for _ in range(steps):
         low = min(range(num_stages), key=totals.__getitem__)  # lowest index among ties
         best: tuple[float, str, float, int] | None = None  # (value, peer_id, throughput, source)
         for source in range(num_stages):
-            if source == low or online[source] < 2:
+            # never a stage's last online peer; nor one that leaves its stage thin, unless it ends another's thinness
+            if source == low or online[source] < 2 or (online[source] <= keep and online[low] >= keep):
                 continue
             # value min(T_s - t, T_b + t) peaks at t = (T_s - T_b) / 2: only the nearest peer on each side counts
             for throughput, peer_id in candidates[source].nearest((totals[source] - totals[low]) / 2):
@@ -166,24 +209,22 @@ def _plan(
         if best is None or not best[0] > totals[low] * (1 + min_step):
             break
         _, peer_id, throughput, source = best
-        # the same expressions as the value, so each step raises the sorted totals in floating point too
-        totals[source], totals[low] = totals[source] - throughput, totals[low] + throughput
-        online[source] -= 1
-        online[low] += 1
-        candidates[source].remove(throughput, peer_id)
-        candidates[low].add(throughput, peer_id)
-        final_stage[peer_id] = low
+        move(peer_id, throughput, source, low)
 
     moves = [
         Move(peer_id, by_id[peer_id].stage, stage)
         for peer_id, stage in sorted(final_stage.items())
         if stage != by_id[peer_id].stage
     ]
-    return moves, start, bottleneck(totals)
+    return moves, start, bottleneck(totals), deficit_before, deficit()
 
 
 def plan_moves(
-    peers: Sequence[PeerLoad], num_stages: int, min_step: float = 0.01, max_steps: int | None = None
+    peers: Sequence[PeerLoad],
+    num_stages: int,
+    min_step: float = 0.01,
+    max_steps: int | None = None,
+    min_holders: int = 1,
 ) -> list[Move]:
     """A greedy sequence of moves that raises the bottleneck, as one Move per peer whose final stage differs.
 
@@ -191,8 +232,13 @@ def plan_moves(
     a stage s != b that keeps another online peer is a candidate; moving it to b is worth min(T_s - t_p,
     T_b + t_p). Take the best candidate (ties: lowest peer id) if it beats T_b * (1 + min_step), else stop.
     At most max_steps steps (default 4 x the number of peers). Moves are sorted by peer id.
+
+    With `min_holders` above 1, holders come first: while a stage has fewer online peers than that, it takes the
+    slowest movable peer of the stage with the most online peers above it (ties: the lowest stage, the lowest
+    peer id); and no step leaves a stage with fewer than min_holders online peers unless it gives that many to
+    the stage it moves to (the deficit never grows).
     """
-    return _plan(peers, num_stages, min_step, max_steps)[0]
+    return _plan(peers, num_stages, min_step, max_steps, min_holders)[0]
 
 
 def apply_moves(peers: Sequence[PeerLoad], moves: Sequence[Move]) -> list[PeerLoad]:
@@ -204,20 +250,23 @@ def apply_moves(peers: Sequence[PeerLoad], moves: Sequence[Move]) -> list[PeerLo
     ]
 
 
-def worthwhile_moves(peers: Sequence[PeerLoad], num_stages: int, min_gain: float) -> list[Move]:
-    """The plan's moves if the plan raises the bottleneck by more than min_gain (relative), else none.
+def worthwhile_moves(peers: Sequence[PeerLoad], num_stages: int, min_gain: float, min_holders: int = 1) -> list[Move]:
+    """The plan's moves if the plan gives a thin stage (under min_holders online peers) another holder, or raises
+    the bottleneck by more than min_gain (relative); else none.
 
     The same for every peer reading the same records: should_move is this list looked up for one peer.
     """
-    moves, current, final = _plan(peers, num_stages, 0.01, None)
-    if final > current * (1 + min_gain) or (current == 0 and final > 0):
+    moves, current, final, thin_before, thin_after = _plan(peers, num_stages, 0.01, None, min_holders)
+    if thin_after < thin_before or final > current * (1 + min_gain) or (current == 0 and final > 0):
         return moves
     return []
 
 
-def should_move(peer_id: str, peers: Sequence[PeerLoad], num_stages: int, min_gain: float) -> int | None:
+def should_move(
+    peer_id: str, peers: Sequence[PeerLoad], num_stages: int, min_gain: float, min_holders: int = 1
+) -> int | None:
     """The stage peer_id should move to now, or None to stay (see the module's docstring for why)."""
-    for move in worthwhile_moves(peers, num_stages, min_gain):
+    for move in worthwhile_moves(peers, num_stages, min_gain, min_holders):
         if move.peer_id == peer_id:
             return move.target
     return None

@@ -172,7 +172,12 @@ class Rebalancer:
     def _choose(self, loads: list[PeerLoad]) -> tuple[int, int]:
         if not self.manifest.balancing.spans:
             stage = choose_stage(
-                loads, self.manifest.num_stages, self.rng, exclude_peer=self.peer_id, allowed=self.fitting
+                loads,
+                self.manifest.num_stages,
+                self.rng,
+                exclude_peer=self.peer_id,
+                allowed=self.fitting,
+                min_holders=self.manifest.balancing.min_holders,
             )
             return stage, stage + 1
         others = span_peers(loads, self.work, exclude=self.peer_id)
@@ -290,13 +295,12 @@ class Rebalancer:
         return target if self._target(await self._loads()) == target else None
 
     def _target(self, loads: list[PeerLoad]) -> tuple[int, int] | None:
-        min_gain = self.manifest.balancing.min_gain
+        min_gain, min_holders = self.manifest.balancing.min_gain, self.manifest.balancing.min_holders
         if not self.manifest.balancing.spans:
-            stage = should_move(self.peer_id, loads, self.manifest.num_stages, min_gain)
+            stage = should_move(self.peer_id, loads, self.manifest.num_stages, min_gain, min_holders)
             # a stage its memory cannot hold is not a move
             return (stage, stage + 1) if stage is not None and stage in self.fitting else None
         others = span_peers(loads, self.work, exclude=self.peer_id)
-        min_holders = self.manifest.balancing.min_holders
         return better_span(self._me(), others, self.lengths, self.work, self.rng, min_gain, min_holders)
 
     async def move(self, start: int, end: int | None = None) -> bool:
