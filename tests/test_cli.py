@@ -236,11 +236,18 @@ def test_a_stop_while_starting_is_one_line_and_exit_130(tmp_path, how):
     try:
         # the start is under way: a check's first step, or the peer's first line (before its DHT starts)
         peer.wait_for("joining the DHT" if check else "starting a new swarm", 60)
+        printed = peer.output()  # where the start was when the signal left: what a hang report needs
         if how == "sigterm":
             peer.process.send_signal(signal.SIGTERM)
         else:
             peer.signal_group(signal.SIGINT)  # a terminal's Ctrl-C
-        assert peer.process.wait(timeout=60) == 130, peer.tail()
+        try:
+            code = peer.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"still running 60 s after the signal; it had printed:\n{printed}\n... and then:\n{peer.tail()}"
+            ) from None
+        assert code == 130, peer.tail()
         out = peer.output()  # stopped before the peer ran ("stopped"), or while it joined (its clean stop)
         assert "swarm-peer: stopped" in out or "stopped cleanly" in out, out
         assert "Traceback" not in out and "Exception ignored" not in out, out
