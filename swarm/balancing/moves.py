@@ -104,8 +104,8 @@ def choose_stage(
     if not stages:
         raise BalancingError("no stage is allowed: the peer can hold none of them")
     holders = stage_holders(others, num_stages)
-    if min(holders[stage] for stage in stages) < min_holders:
-        fewest = min(holders[stage] for stage in stages)
+    fewest = min(holders[stage] for stage in stages)
+    if fewest < min_holders:
         stages = [stage for stage in stages if holders[stage] == fewest]
     lowest = min(totals[stage] for stage in stages)
     # a relative tolerance: the same totals summed in another order may differ in the last bits
@@ -166,7 +166,7 @@ def _plan(
                 movable[p.stage].append((p.throughput, p.peer_id))
     start = bottleneck(totals)
     candidates = [SortedByThroughput(entries) for entries in movable]
-    keep = max(min_holders, 1)  # online peers a move leaves in its source stage, at least
+    keep = max(min_holders, 1)  # online peers a stage should keep (a stage with fewer is thin)
 
     def deficit() -> int:
         return sum(max(0, keep - count) for count in online)
