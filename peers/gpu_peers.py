@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from peers import runtime
 from swarm import lifetime
 from swarm.files import cache_root
 from swarm.local.processes import stop_peers
@@ -91,6 +92,7 @@ def run_gpu_peers(argv: Sequence[str], spec: str) -> int:
         threading.Thread(target=_relay, args=(child, f"[gpu {index}] "), daemon=True).start()
         children.append(child)
     print(f"started {len(children)} peers, one per GPU ({', '.join(f'cuda:{i}' for i in gpus)})", flush=True)
+    runtime.stop_by_keyboard_interrupt()  # from here a stop passes on to the peers, which stop cleanly
     try:
         return max(child.wait() for child in children)
     except KeyboardInterrupt:

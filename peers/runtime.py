@@ -90,17 +90,47 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _stop_at_once(name: str) -> Callable[[int, object], None]:
+    """The handler of a stop during a start: one line and exit 130, from the handler itself.
+
+    Raising KeyboardInterrupt is not enough there: inside asyncio.run, Python turns a Ctrl-C into a cancellation of
+    the main task, which a start under way can absorb (a peer went on to serve after its Ctrl-C), and asyncio.run
+    then waits for the threads its start had handed work to. What a half-made start leaves (its DHT process and
+    p2pd) ends by itself once this process is gone (swarm/lifetime.py).
+    """
+    line = f"{name}: stopped\n".encode()
+
+    def stop(signum: int, frame: object) -> None:
+        try:
+            sys.stdout.flush()
+        except (OSError, RuntimeError, ValueError):  # a signal in the middle of a write, or a closed stdout
+            pass
+        os.write(2, line)
+        os._exit(STOPPED)
+
+    return stop
+
+
+def stop_by_keyboard_interrupt() -> None:
+    """For a program that cleans up on KeyboardInterrupt once started (swarm-monitor writes its history): from now on
+    Ctrl-C, SIGTERM and SIGHUP raise it, as Python does for Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+
+
 def program(name: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
     """The main() of a program that starts a swarm node: until its event loop takes the signals over
-    (install_stop_handlers), SIGTERM and SIGHUP stop it as Ctrl-C does; a Ctrl-C at any moment of its start ends
-    with one line and exit status 130, never a traceback; a file it cannot write is one line naming the path and
-    the remedy (exit status 2)."""
+    (install_stop_handlers, or stop_by_keyboard_interrupt), Ctrl-C, SIGTERM and SIGHUP at any moment of its start
+    end it with one line and exit status 130, never a traceback; a file it cannot write is one line naming the path
+    and the remedy (exit status 2)."""
 
     def wrap(main: Callable[..., int]) -> Callable[..., int]:
         @functools.wraps(main)
         def run(argv: list[str] | None = None) -> int:
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, _interrupt)
+            stop = _stop_at_once(name)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, stop)
             try:
                 hivemind_futures.start_memory_manager_deaf_to_terminal()
                 return main(argv)

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         manifest, initial_peers = joining.reader_join(args.join)  # no manifest: --join names a peer, which has it
         connection = SwarmConnection(initial_peers, manifest.secret if manifest else None)
         lifetime.stop_when_parent_is_gone()  # started by swarm-demo: not past its end (after the DHT's fork)
+        runtime.stop_by_keyboard_interrupt()  # from here a stop writes the history first
         return asyncio.run(run(args, manifest, connection))
     except SwarmError as e:
         print(f"swarm-monitor: error: {e}", file=sys.stderr)

@@ -54,10 +54,9 @@ def pytest_configure(config):
         raise KeyboardInterrupt(f"received signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
-    # SWARM_TEST_FORK_PEERS=1: peers forked from a process that has imported them once (swarm/local/forkserver.py),
-    # 5 s of CPU less a peer. Off by default: in one whole run of three, every later peer of one worker then failed
-    # to get its DHT ready (cause not found), and the suite was only about 10% faster
-    if os.environ.get("SWARM_TEST_FORK_PEERS") == "1":
+    # Peers forked from a process that has imported them once (swarm/local/forkserver.py): 5 s of CPU less a peer.
+    # SWARM_TEST_FORK_PEERS=0 starts each in a fresh interpreter, as a volunteer's peer starts.
+    if os.environ.get("SWARM_TEST_FORK_PEERS", "1") == "1":
         processes.fork_peers_from_a_preloaded_process()
     # Peers started by the programs under test (swarm-demo's, for one) cache their measured throughput here,
     # never in the user's cache; the start_peer fixture gives each test its own.

@@ -242,10 +242,10 @@ def test_a_stop_while_starting_is_one_line_and_exit_130(tmp_path, how):
         else:
             peer.signal_group(signal.SIGINT)  # a terminal's Ctrl-C
         try:
-            code = peer.process.wait(timeout=60)
+            code = peer.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             raise AssertionError(
-                f"still running 60 s after the signal; it had printed:\n{printed}\n... and then:\n{peer.tail()}"
+                f"still running 30 s after the signal; it had printed:\n{printed}\n... and then:\n{peer.tail()}"
             ) from None
         assert code == 130, peer.tail()
         out = peer.output()  # stopped before the peer ran ("stopped"), or while it joined (its clean stop)

@@ -15,16 +15,24 @@ Those shared bytes live in shared memory that torch hands out through a helper p
 starts at the first use, in the caller's process group. A terminal's Ctrl-C reaches the whole group: the manager
 dies, and the program's next future waits for it forever (seen: a peer stopped by Ctrl-C during its start hung
 there). `start_memory_manager_deaf_to_terminal` starts it with the terminal's signals ignored, which it keeps.
+
+hivemind's other family locks (`MPFuture._update_lock`, around each write of a result to the origin process's pipe,
+`MPFuture._initialization_lock` and `_AsyncContextWrapper.EXECUTOR_LOCK`) are shared on purpose within one
+program's family. A process forked from a server that only imported hivemind (swarm/local/forkserver.py) is a new
+program: `start_a_new_family` gives it locks of its own, or a sibling killed while writing a result would block
+every later peer of that server.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
 
 import torch
-from hivemind.utils.mpfuture import SharedBytes
+from hivemind.utils.asyncio import _AsyncContextWrapper
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 _installed = False
 
@@ -41,6 +49,16 @@ def install() -> None:
     _installed = True
     _fresh_lock()
     os.register_at_fork(after_in_child=_fresh_lock)
+
+
+def start_a_new_family() -> None:
+    """For a process forked from a server of processes rather than from its own program: hivemind's family locks of
+    its own (shared with the processes it forks in turn, as in any program), and no future of the server's."""
+    MPFuture._active_pid = None
+    MPFuture._initialization_lock = multiprocessing.Lock()
+    MPFuture._update_lock = multiprocessing.Lock()
+    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
+    _fresh_lock()
 
 
 def start_memory_manager_deaf_to_terminal() -> None:

@@ -176,10 +176,20 @@ def _become(request: dict[str, Any]) -> None:
     os.dup2(log, 2)
     os.close(log)
     os.close(null)
+    forget_the_servers_shared_state()
+    sys.argv = [request["module"], *request["args"]]  # runpy puts the module's path first, as `python -m` does
+
+
+def forget_the_servers_shared_state() -> None:
+    """Give a forked child its own copies of what the server's imports made to be shared between processes: hivemind's
+    family locks (a sibling killed while it held one would otherwise keep every later peer's DHT from starting) and
+    numpy's global random state (drawn once in the server)."""
     import numpy
 
-    numpy.random.seed()  # its global state was drawn once in the server: every child would share it
-    sys.argv = [request["module"], *request["args"]]  # runpy puts the module's path first, as `python -m` does
+    from swarm.dht import hivemind_futures
+
+    hivemind_futures.start_a_new_family()
+    numpy.random.seed()
 
 
 if __name__ == "__main__":
