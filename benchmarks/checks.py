@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from swarm.local import processes
-from swarm.manifests.presets import fast_test_swarm_dict
+from swarm.local.fast_swarm import fast_test_swarm_dict
 
 DETECTION_TIMEOUT = 300.0
 

@@ -3,7 +3,7 @@ to come online, and the held-out loss of a swarm (every online peer's state down
 from one replica per stage, in every combination).
 
 What the tests share with the benchmarks lives in the library: the small fast test swarm
-(swarm/manifests/presets.py: fast_test_swarm_dict) and starting local peers on free ports (swarm/local/processes.py:
+(swarm/local/fast_swarm.py: fast_test_swarm_dict) and starting local peers on free ports (swarm/local/processes.py:
 start_peer, start_local_peer, free_ports), as swarm-demo and the tests start them.
 """
 

@@ -45,9 +45,9 @@ from benchmarks.common import (
 )
 from swarm.capacity.budget import MARGIN
 from swarm.capacity.costs import MemorySettings, span_cost
+from swarm.local.fast_swarm import fast_test_swarm_dict
 from swarm.local.processes import PeerProcess, loopback_args, start_peer, stop_peers
 from swarm.manifests.manifest import Manifest
-from swarm.manifests.presets import fast_test_swarm_dict
 from swarm.manifests.validation import manifest_from_dict
 
 STAGES = 4

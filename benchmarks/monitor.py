@@ -28,8 +28,8 @@ from pathlib import Path
 
 from swarm.dht.records import Announcement, TrainerReport, announcement_lifetime
 from swarm.local import processes
+from swarm.local.fast_swarm import fast_test_swarm_dict
 from swarm.manifests.loading import load_manifest
-from swarm.manifests.presets import fast_test_swarm_dict
 from swarm.monitor.history import THINNING, History
 from swarm.monitor.leaderboard import Leaderboard
 from swarm.monitor.sampling import peer_rows, stage_rows, swarm_sample

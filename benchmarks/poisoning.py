@@ -39,8 +39,8 @@ from swarm.averaging.averager import StageAverager
 from swarm.dataset.shards import TextData, heldout_batches, sample_batch
 from swarm.dht import node
 from swarm.errors import AveragingError
+from swarm.local.fast_swarm import fast_test_swarm_dict
 from swarm.manifests.manifest import Manifest
-from swarm.manifests.presets import fast_test_swarm_dict
 from swarm.manifests.validation import manifest_from_dict
 
 REPLICAS = 4

@@ -42,8 +42,8 @@ import torch
 
 from swarm.architectures.model import StageModel, build_stage
 from swarm.dataset.shards import TextData, heldout_batches, sample_batch
+from swarm.local.fast_swarm import fast_test_swarm_dict
 from swarm.manifests.manifest import Manifest
-from swarm.manifests.presets import fast_test_swarm_dict
 from swarm.manifests.validation import manifest_from_dict
 from swarm.wire.boundary import boundary_width, token_tensor, wire_token_dtype
 from swarm.wire.tensors import decode_tensor, encode_tensor

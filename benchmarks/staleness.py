@@ -44,8 +44,8 @@ from hivemind.compression import CompressionInfo
 from swarm.architectures.model import build_stage
 from swarm.averaging.rules import averaging_compression, outer_step
 from swarm.dataset.shards import TextData, heldout_batches, sample_batch
+from swarm.local.fast_swarm import fast_test_swarm_dict
 from swarm.manifests.manifest import Manifest
-from swarm.manifests.presets import fast_test_swarm_dict
 from swarm.manifests.validation import manifest_from_dict
 from swarm.server.compute import StageCompute
 from swarm.server.step_gate import StepGate

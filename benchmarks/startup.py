@@ -21,8 +21,8 @@ from pathlib import Path
 
 from benchmarks.common import start_milestones
 from swarm.local import processes
+from swarm.local.fast_swarm import fast_test_swarm_dict
 from swarm.local.processes import free_ports
-from swarm.manifests.presets import fast_test_swarm_dict
 
 START_TIMEOUT = 120.0
 

@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 import pytest
 
 from swarm.local import processes
+from swarm.local.fast_swarm import fast_test_swarm_dict as tiny_manifest_dict
 from swarm.local.processes import LOOPBACK, PeerProcess
-from swarm.manifests.presets import fast_test_swarm_dict as tiny_manifest_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")

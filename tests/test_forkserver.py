@@ -5,6 +5,7 @@ import os
 from hivemind.utils.asyncio import _AsyncContextWrapper
 from hivemind.utils.mpfuture import MPFuture
 
+from swarm.dht import hivemind_futures
 from swarm.local import forkserver
 
 
@@ -26,6 +27,9 @@ def _in_a_child(run) -> int:
 def _a_server_whose_child_was_killed_holding_the_locks() -> int:
     """The fork server's position: a child took hivemind's shared locks and died (a SIGKILL) without releasing them;
     then the next child is forked. 0 if that child can take every lock, 1 if it would wait for ever."""
+    # locks of this "server" only: the ones inherited from the pytest worker must never be left held, or the
+    # worker's own DHTs would hang in the tests that follow
+    hivemind_futures.start_a_new_family()
 
     def killed_while_holding_them() -> int:
         for lock in _locks():

@@ -167,6 +167,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="a short run: 2 stages, 4800 samples, a bootstrap kill and a stall"
     )
+    parser.add_argument(
+        "--after-faults",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="train past --samples until every fault has ended (restarted peers serve), then SECONDS more: a run "
+        "as short as its faults allow (the samples then differ between runs)",
+    )
     parser.add_argument("--runs", default="clean,faults", help="which runs, of clean,faults (default both)")
     parser.add_argument(
         "--keep-logs",
@@ -181,6 +189,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--stages, --replicas and --trainers must be at least 1")
     if args.samples is not None and args.samples < args.trainers:
         parser.error("--samples must be at least --trainers")
+    if args.after_faults is not None and args.after_faults < 0:
+        parser.error("--after-faults must not be negative")
     if args.faults is not None and args.faults < 0:
         parser.error("--faults must not be negative")
     args.runs = [r for r in ("clean", "faults") if r in runs]

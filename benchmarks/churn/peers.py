@@ -15,9 +15,9 @@ from pathlib import Path
 from hivemind.p2p import P2P, PeerID
 
 from swarm.local import processes
+from swarm.local.fast_swarm import fast_test_swarm_dict
 from swarm.local.processes import PeerProcess, free_ports
 from swarm.manifests.manifest import Manifest
-from swarm.manifests.presets import fast_test_swarm_dict
 from swarm.manifests.validation import manifest_from_dict
 
 CHECKPOINT_EVERY = 10.0  # seconds between a peer's checkpoints
@@ -44,6 +44,7 @@ class Settings:
     restart_delay: tuple[float, float]  # seconds between a kill and the restart
     stop_seconds: tuple[float, float]  # how long a stall lasts
     window: tuple[float, float]  # faults fire when the trainers reach these shares of the samples
+    after_faults: float | None = None  # train on until every fault has ended, then these seconds (None: to samples)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -59,6 +60,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             restart_delay=(1.0, 3.0),
             stop_seconds=(4.0, 6.0),
             window=(0.1, 0.3),  # early: the trainers still train when the killed peer is back
+            after_faults=args.after_faults,
         )
     return Settings(
         stages=args.stages or 3,
@@ -71,6 +73,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         restart_delay=(3.0, 10.0),
         stop_seconds=(4.0, 12.0),
         window=(0.1, 0.75),
+        after_faults=args.after_faults,
     )
 
 

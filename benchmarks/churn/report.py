@@ -147,6 +147,7 @@ def summarize(settings: Settings, manifest: Manifest, runs: dict[str, dict], log
             "trainers": settings.trainers,
             "max_in_flight": manifest.training.max_in_flight,
             "samples": settings.samples,
+            "after_faults_s": settings.after_faults,
             "seed": settings.seed,
             "checkpoint_every_s": CHECKPOINT_EVERY,
             "forward_timeout_s": timeouts.forward,

@@ -62,6 +62,18 @@ def stalls(finished: list[float], outages: list[tuple[float, float]]) -> tuple[f
     return longest, at, longest_served
 
 
+async def stop_after_faults(
+    trainers: list[TimedTrainer], injector: list[asyncio.Task], target: int, seconds: float, stop: asyncio.Event
+) -> None:
+    """--after-faults: stop the trainers once every fault has ended (a restarted peer serves again), `seconds` have
+    passed since, and they have trained `target` samples."""
+    await asyncio.gather(*injector, return_exceptions=True)  # a fault that failed is raised after training
+    await asyncio.sleep(seconds)
+    while sum(t.samples for t in trainers) < target:
+        await asyncio.sleep(0.2)
+    stop.set()
+
+
 async def drive(swarm: Swarm, dht, events: list[Event], batches) -> dict:
     """Train to the samples (injecting `events`), wait for the faults to end, then evaluate the final model."""
     settings, manifest = swarm.settings, swarm.manifest
@@ -88,7 +100,13 @@ async def drive(swarm: Swarm, dht, events: list[Event], batches) -> dict:
         injector = [asyncio.create_task(swarm.run_event(e, progress)) for e in events]
         reporter = asyncio.create_task(report_progress(swarm, trainers, target))
         share = target // settings.trainers
+        ender = None
+        if settings.after_faults is not None:  # no sample count: the trainers train until ender stops them
+            share = None
+            ender = asyncio.create_task(stop_after_faults(trainers, injector, target, settings.after_faults, stop))
         await asyncio.gather(*[t.train(shard, stop, max_samples=share) for t, shard in zip(trainers, shards)])
+        if ender is not None:
+            await ender
         train_seconds = time.monotonic() - began
         reporter.cancel()
         swarm.say(f"trained {sum(t.samples for t in trainers)} samples in {train_seconds:.0f}s")

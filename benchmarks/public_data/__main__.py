@@ -40,7 +40,7 @@ from swarm.dataset.corpus import index_sha256, prepare_corpus
 from swarm.dataset.tokenizer import byte_tokenizer
 from swarm.local import processes
 from swarm.local.emulated_links import EmulatedLinks, LinkSpec
-from swarm.manifests.presets import fast_test_swarm_dict
+from swarm.local.fast_swarm import fast_test_swarm_dict
 from swarm.manifests.validation import manifest_from_dict
 
 WORDS = "swarm peer stage trainer chunk token data epoch volunteer network model layer gradient".split()

@@ -3,8 +3,6 @@
 A preset is a starting point: a model shape plus training settings that suit it. Every explicit setting
 given to `new_manifest` overrides the preset's, and the result goes through the same validation as any
 manifest read from disk, so `swarm-init` can never write a manifest that peers would refuse.
-
-FAST_TEST_SWARM (fast_test_swarm_dict) is the small swarm the tests and the benchmarks start.
 """
 
 from __future__ import annotations
@@ -174,39 +172,3 @@ def new_manifest(
     if pretrained:
         raw["pretrained"] = dict(pretrained)
     return manifest_from_dict(raw)
-
-
-# A small, fast 2-stage swarm for the tests and the benchmarks (smaller than the "tiny" preset: a test's peers
-# start and train in seconds on 2 shared cores).
-FAST_TEST_SWARM: dict[str, Any] = {
-    "name": "test-swarm",
-    "protocol_version": PROTOCOL_VERSION,
-    "model": {"vocab_size": 256, "width": 64, "depth": 2, "heads": 2, "context_length": 32, "seed": 0},
-    "stages": {"count": 2},
-    "training": {
-        "microbatch_size": 8,
-        "microbatches_per_step": 1,
-        "learning_rate": 0.003,
-        "max_in_flight": 2,
-        "adaptive_window": False,
-        "timeouts": {"forward": 5, "backward": 5, "microbatch": 60},
-    },
-    "data": {"source": "stdlib", "shards": 4},
-    "network": {"announce_period": 1.0},
-    # the tests' swarms average parameters every 2048 samples, as before issue 15 made diloco the default: the
-    # suite's timing bounds were set with it (the diloco paths have tests of their own)
-    "averaging": {"mode": "parameters", "every_samples": 2048},
-    "initial_peers": [],
-}
-
-
-def fast_test_swarm_dict(**overrides: Any) -> dict[str, Any]:
-    """FAST_TEST_SWARM as a new manifest dictionary (not validated: tests also build bad ones from it); each
-    override replaces a top-level field, or, for a dictionary, the keys it names in that section."""
-    manifest = copy.deepcopy(FAST_TEST_SWARM)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(manifest.get(key), dict):
-            manifest[key] = {**manifest[key], **value}
-        else:
-            manifest[key] = value
-    return manifest
