@@ -12,7 +12,6 @@ neither re-reads the chunks it finished nor starts its current chunk again.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -20,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from hivemind import DHT
-from hivemind.utils import get_dht_time
 
 from swarm.dataset.index import MAX_CHUNKS
-from swarm.dht.records import DHT_TIMEOUT, MAX_COUNT, PEER_ID_PATTERN, _entries, data_key
+from swarm.dht.records import MAX_COUNT, PEER_ID_PATTERN, data_key, fetch_subkeyed, store_subkeyed
 from swarm.files import atomic_write, cache_root
 
 logger = logging.getLogger(__name__)
@@ -108,21 +106,14 @@ def _is_count(value: Any) -> bool:
 
 
 async def store_reader_record(dht: DHT, swarm_id: str, record: ReaderRecord) -> bool:
-    future = dht.store(
-        data_key(swarm_id),
-        record.to_record(),
-        expiration_time=get_dht_time() + RECORD_LIFETIME,
-        subkey=record.peer_id,
-        return_future=True,
-    )
-    return await asyncio.wait_for(future, DHT_TIMEOUT)
+    return await store_subkeyed(dht, data_key(swarm_id), record.peer_id, record.to_record(), RECORD_LIFETIME)
 
 
 async def fetch_reader_records(dht: DHT, swarm_id: str, data: str | None, count: int | None) -> list[ReaderRecord]:
     """Every valid, unexpired record of trainers reading the data whose index hashes to `data` (None: any data;
     `count` None: each record's own count of chunks)."""
-    found = await asyncio.wait_for(dht.get(data_key(swarm_id), latest=True, return_future=True), DHT_TIMEOUT)
-    records = [parse_reader_record(subkey, item.value, item.expiration_time, count) for subkey, item in _entries(found)]
+    entries = await fetch_subkeyed(dht, data_key(swarm_id))
+    records = [parse_reader_record(subkey, item.value, item.expiration_time, count) for subkey, item in entries]
     return [record for record in records if record is not None and data in (None, record.data)]
 
 

@@ -293,43 +293,39 @@ def _rate(value: Any) -> float:
 # ------------------------------------------------------------------------------------------------ DHT I/O
 
 
-async def store_announcement(dht: DHT, swarm_id: str, ann: Announcement, lifetime: float) -> bool:
-    future = dht.store(
-        stage_key(swarm_id, ann.stage),
-        ann.to_record(),
-        expiration_time=get_dht_time() + lifetime,
-        subkey=ann.peer_id,
-        return_future=True,
-    )
+async def store_subkeyed(dht: DHT, key: str, subkey: str, record: dict[str, Any], lifetime: float) -> bool:
+    """Store one peer's record under `key` (its subkey: the peer's id), for `lifetime` seconds."""
+    future = dht.store(key, record, expiration_time=get_dht_time() + lifetime, subkey=subkey, return_future=True)
     return await asyncio.wait_for(future, DHT_TIMEOUT)
+
+
+async def fetch_subkeyed(dht: DHT, key: str) -> list[tuple[Any, Any]]:
+    """(subkey, item) of every unexpired record under `key`; each caller parses and validates the values."""
+    found = await asyncio.wait_for(dht.get(key, latest=True, return_future=True), DHT_TIMEOUT)
+    return _entries(found)
+
+
+async def store_announcement(dht: DHT, swarm_id: str, ann: Announcement, lifetime: float) -> bool:
+    return await store_subkeyed(dht, stage_key(swarm_id, ann.stage), ann.peer_id, ann.to_record(), lifetime)
 
 
 async def store_trainer_report(dht: DHT, swarm_id: str, report: TrainerReport, lifetime: float) -> bool:
-    future = dht.store(
-        trainers_key(swarm_id),
-        report.to_record(),
-        expiration_time=get_dht_time() + lifetime,
-        subkey=report.peer_id,
-        return_future=True,
-    )
-    return await asyncio.wait_for(future, DHT_TIMEOUT)
+    return await store_subkeyed(dht, trainers_key(swarm_id), report.peer_id, report.to_record(), lifetime)
 
 
 async def fetch_announcements(dht: DHT, swarm_id: str, stage: int) -> list[Announcement]:
     """All valid, unexpired announcements of a stage (any state)."""
-    found = await asyncio.wait_for(dht.get(stage_key(swarm_id, stage), latest=True, return_future=True), DHT_TIMEOUT)
     return [
         ann
-        for subkey, item in _entries(found)
+        for subkey, item in await fetch_subkeyed(dht, stage_key(swarm_id, stage))
         if (ann := parse_announcement(subkey, item.value, stage, item.expiration_time)) is not None
     ]
 
 
 async def fetch_trainer_reports(dht: DHT, swarm_id: str) -> list[TrainerReport]:
-    found = await asyncio.wait_for(dht.get(trainers_key(swarm_id), latest=True, return_future=True), DHT_TIMEOUT)
     return [
         report
-        for subkey, item in _entries(found)
+        for subkey, item in await fetch_subkeyed(dht, trainers_key(swarm_id))
         if (report := parse_trainer_report(subkey, item.value, item.expiration_time)) is not None
     ]
 

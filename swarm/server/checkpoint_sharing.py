@@ -29,9 +29,8 @@ from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 (hivemind
 from hivemind import DHT
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
-from hivemind.utils import get_dht_time
 
-from swarm.dht.records import DHT_TIMEOUT, announcement_lifetime, checkpoints_key
+from swarm.dht.records import announcement_lifetime, checkpoints_key, fetch_subkeyed, store_subkeyed
 from swarm.errors import BadRequestError, CheckpointError, MalformedDataError
 from swarm.manifests.manifest import Manifest
 from swarm.server.checkpoint import (
@@ -137,28 +136,14 @@ def kept_checkpoints(directory: Path | None, manifest: Manifest) -> list[KeptChe
 
 
 async def store_checkpoint_record(dht: DHT, swarm_id: str, record: CheckpointRecord, lifetime: float) -> bool:
-    future = dht.store(
-        checkpoints_key(swarm_id),
-        record.to_record(),
-        expiration_time=get_dht_time() + lifetime,
-        subkey=record.peer_id,
-        return_future=True,
-    )
-    return await asyncio.wait_for(future, DHT_TIMEOUT)
+    return await store_subkeyed(dht, checkpoints_key(swarm_id), record.peer_id, record.to_record(), lifetime)
 
 
 async def fetch_checkpoint_records(dht: DHT, manifest: Manifest) -> list[CheckpointRecord]:
-    found = await asyncio.wait_for(
-        dht.get(checkpoints_key(manifest.swarm_id), latest=True, return_future=True), DHT_TIMEOUT
-    )
-    if found is None or not isinstance(found.value, dict):
-        return []
-    now = get_dht_time()
     return [
         record
-        for subkey, item in found.value.items()
-        if now < item.expiration_time
-        and (record := parse_checkpoint_record(subkey, item.value, manifest.num_stages, item.expiration_time))
+        for subkey, item in await fetch_subkeyed(dht, checkpoints_key(manifest.swarm_id))
+        if (record := parse_checkpoint_record(subkey, item.value, manifest.num_stages, item.expiration_time))
     ]
 
 
