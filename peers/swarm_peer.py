@@ -32,17 +32,20 @@ from swarm.dht import node
 from swarm.dht.records import announceable, without_loopback_unless_only
 from swarm.errors import PeerStartError, SwarmError
 from swarm.manifests.manifest import Manifest
-from swarm.network.startup_cache import StartupCache
-from swarm.peer.clock import check_clock
 from swarm.peer.owner import OwnerRules
 from swarm.peer.peer import Peer, TrainingOptions
-from swarm.peer.startup import PeerIdentity, claim_peer_identity, find_reachability, publish_addresses
+from swarm.peer.startup import JoinOptions, StartedNode, enter_swarm, publish_addresses, start_node
 from swarm.preflight.checks import VERDICTS, ExitCode, Status
 from swarm.preflight.run import PreflightOptions, PreflightResult, run_preflight
 from swarm.server.checkpoint import default_checkpoint_dir
 from swarm.server.stage import ServingOptions, StageServer
 
 logger = logging.getLogger("swarm-peer")
+
+
+def say(line: str) -> None:
+    """What the start-up found, one line each (swarm/peer/startup.py hands them over)."""
+    print(line, flush=True)
 
 
 @runtime.program("swarm-peer")
@@ -54,50 +57,35 @@ def main(argv: list[str] | None = None) -> int:
         return run_gpu_peers(sys.argv[1:] if argv is None else argv, args.gpus)
     runtime.setup_logging(args.log_level)
     runtime.quiet_vanished_streams()  # before the DHT process starts: it inherits the filter
-    dht = None
-    identity: PeerIdentity | None = None  # with --identity, its file stays locked while the peer runs
+    started: StartedNode | None = None
     try:
-        host_maddrs = args.host_maddrs or node.ALL_INTERFACES
         # The DHT forks its own process: start it before any thread exists.
         manifest = joining.read_join(args.join)  # None: --join names a peer, which hands out the manifest (below)
         if manifest is not None:
             check_stage_flag(args, manifest)
-        initial_peers = [] if args.new_swarm else joining.bootstrap_peers(args.join, manifest)
-        identity_path = Path(args.identity).expanduser() if args.identity else None
-        startup = StartupCache()  # answers of earlier starts on this machine (swarm/network/startup_cache.py)
-        identity, initial_peers = claim_peer_identity(identity_path, initial_peers, startup)
-        if not initial_peers and not args.new_swarm:
-            print("the manifest lists no initial peers: starting a new swarm", flush=True)
-        args.reachable = decide_reachability(args, initial_peers, host_maddrs, manifest, startup)
-        sockets_before = node.daemon_sockets()
-        dht = node.start_dht(
-            initial_peers,
-            host_maddrs,
-            args.announce_maddrs,
-            client_mode=not args.reachable,
+        options = JoinOptions(
+            join=args.join,
+            new_swarm=args.new_swarm,
+            host_maddrs=args.host_maddrs or node.ALL_INTERFACES,
+            announce_maddrs=args.announce_maddrs or (),
             no_listen=args.no_listen,
-            identity_path=identity_path,
-            secret=manifest.secret if manifest is not None else None,
-            identity=identity.key,
+            identity_path=Path(args.identity).expanduser() if args.identity else None,
         )
-        if identity_path is not None:
-            startup.remember_identity(identity_path)
+        started = start_node(options, manifest, say)
         device = runtime.resolve_device(args.device)
         if args.offload_optimizer and device.type != "cuda":
-            print("--offload-optimizer has no effect on a CPU peer: its optimizer is in RAM already", flush=True)
+            say("--offload-optimizer has no effect on a CPU peer: its optimizer is in RAM already")
         if args.threads:
             torch.set_num_threads(args.threads)
     except (SwarmError, KeyboardInterrupt, OSError) as e:
-        if dht is not None:
-            dht.shutdown()
-        if identity is not None:
-            identity.release()
+        if started is not None:
+            started.stop()
         if not isinstance(e, SwarmError):
             raise  # one line, by runtime.program
         print(f"swarm-peer: error: {e}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(run_peer(args, manifest, dht, device, identity))
+        return asyncio.run(run_peer(args, started, device))
     except SwarmError as e:
         print(f"swarm-peer: error: {e}", file=sys.stderr)
         return 2
@@ -107,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"swarm-peer: error: {runtime.disk_full_message(e, args.checkpoint_dir)}", file=sys.stderr)
         return 2
     finally:
-        dht.shutdown()
-        # a Ctrl-C to the whole process group can end p2pd before it removes its socket file: remove the ones
-        # that appeared since this peer started and that nobody listens on any more (live daemons are left alone)
-        node.remove_stale_sockets(node.daemon_sockets() - sockets_before)
-        identity.release()
+        started.stop()
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -164,33 +148,6 @@ def print_check_table(result: PreflightResult) -> None:
     console.print(Text(f"{VERDICTS[code]} (exit code {int(code)})", style=style))
 
 
-def decide_reachability(
-    args: argparse.Namespace,
-    initial_peers: list[str],
-    host_maddrs: list[str],
-    manifest: Manifest | None,
-    startup: StartupCache,
-) -> bool:
-    """Whether other peers can dial this one (swarm/peer/startup.py finds out), said in a line."""
-    if args.no_listen:
-        print("--no-listen: others cannot dial this peer; it opens connections to them instead", flush=True)
-        return False
-    verdict, took = find_reachability(initial_peers, host_maddrs, args.announce_maddrs, manifest, startup)
-    if verdict.reachable is False:
-        print(
-            f"this peer is NOT reachable from other peers: {verdict.detail} ({took}). It takes part anyway: it opens "
-            "connections to the peers that call it, and announces that it does. To be reachable, open or forward "
-            "a port (--host-maddrs /ip4/0.0.0.0/tcp/PORT) and announce your public address (--announce-maddrs)",
-            flush=True,
-        )
-        return False
-    if verdict.reachable is None:
-        print(f"reachability not checked ({verdict.detail}); assuming other peers can dial this one", flush=True)
-    else:
-        print(f"reachable: {verdict.detail} ({took})", flush=True)
-    return True
-
-
 def check_stage_flag(args: argparse.Namespace, manifest: Manifest) -> None:
     if args.stage is not None and not 0 <= args.stage < manifest.num_stages:
         raise PeerStartError(f"--stage {args.stage}: the swarm has stages 0..{manifest.num_stages - 1}")
@@ -216,29 +173,22 @@ def write_published_manifest(args: argparse.Namespace, manifest: Manifest, addrs
     )
 
 
-async def run_peer(
-    args: argparse.Namespace, manifest: Manifest | None, dht, device: torch.device, identity: PeerIdentity
-) -> int:
+async def run_peer(args: argparse.Namespace, started: StartedNode, device: torch.device) -> int:
     stop, hurry = asyncio.Event(), asyncio.Event()
     runtime.install_stop_handlers(stop, hurry)
     lifetime.stop_when_parent_is_gone()  # started by another program (swarm-demo, a test): not past its end
-    p2p = await dht.replicate_p2p()
-    if manifest is None:
-        manifest = await joining.manifest_through_peer(p2p, args.join, manifest)
+    manifest, p2p = await enter_swarm(started, args.join, say)  # a clock far off: PeerStartError, exit 2
+    if started.manifest is None:  # asked of the peer --join names
         check_stage_flag(args, manifest)
-    node.sign_records(dht, manifest, identity.key)  # before any record is written or read
-    print(f"swarm {manifest.name!r} (id {manifest.swarm_id}), peer {dht.peer_id}", flush=True)
-    clock = await check_clock(p2p, manifest, str(dht.peer_id))  # far off: PeerStartError, one line and exit 2
-    if clock is not None and clock.status == Status.WARN:
-        print(f"warning: {clock.detail}; {clock.remedy}", flush=True)
-    print(f"process {os.getpid()}: pause it with kill -USR1 {os.getpid()}, resume with kill -USR2 {os.getpid()}")
+    dht = started.dht
+    say(f"process {os.getpid()}: pause it with kill -USR1 {os.getpid()}, resume with kill -USR2 {os.getpid()}")
     maddrs = [] if args.no_listen else node.visible_maddrs(dht)  # hivemind logs an error for a non-listener
-    if args.reachable:
+    if started.reachable:
         print("reachable at:", flush=True)
         for addr in without_loopback_unless_only(maddrs):  # what others could dial: no 127.0.0.1 beside a real one
             print(f"  {addr}", flush=True)
     if args.new_swarm or args.write_manifest:
-        if args.reachable:
+        if started.reachable:
             write_published_manifest(args, manifest, maddrs)
         else:
             print("not writing the manifest: nobody can join through a peer that others cannot dial", flush=True)
@@ -250,8 +200,8 @@ async def run_peer(
         public_name=args.public_name,
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else default_checkpoint_dir(manifest),
         checkpoint_every=args.checkpoint_every,
-        reachable=args.reachable,
-        maddrs=announceable(maddrs) if args.reachable else (),  # nobody can dial an unreachable peer
+        reachable=started.reachable,
+        maddrs=announceable(maddrs) if started.reachable else (),  # nobody can dial an unreachable peer
         max_memory=args.max_memory,
         span=args.span,
         offload_optimizer=args.offload_optimizer,
@@ -302,7 +252,7 @@ async def run_peer(
             rules_task = asyncio.create_task(rules.run(stop))
             if args.yield_gpu and gpu is None:
                 print("--yield-gpu: this peer computes on the CPU, so it yields no GPU", flush=True)
-        started, refused = time.monotonic(), 0
+        serving_since, refused = time.monotonic(), 0
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=args.status_every)
@@ -310,7 +260,7 @@ async def run_peer(
                 pass
             if not stop.is_set():
                 peer.check()  # surface a crash
-            if args.duration is not None and time.monotonic() - started >= args.duration:
+            if args.duration is not None and time.monotonic() - serving_since >= args.duration:
                 stop.set()
             counted = await peer.refused_records()
             refused = refused if counted is None else counted  # None: the DHT's process is busy; the last count stands

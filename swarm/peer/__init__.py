@@ -2,6 +2,7 @@
 Nothing is imported here; peer.py imports server/ and client/.
 
 - peer.py: the Peer, from start to a clean stop (a hand-over of the stages only it serves).
-- startup.py: its start-up before its DHT node runs: identity file, reachability, the manifest it publishes.
+- startup.py: its start-up, one call for any program: initial peers, identity, reachability, the DHT node, then
+  the manifest, signed records and the clock in the event loop; the manifest a new swarm's first peer publishes.
 - clock.py: the clock check of a starting peer, against its initial peers'.
 - owner.py: the owner's rules: the hours a peer may run and yielding the GPU to the owner's programs."""
