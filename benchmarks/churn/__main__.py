@@ -73,6 +73,7 @@ from benchmarks.common import eval_batches, stop_on_sigterm
 from peers import runtime
 from swarm.client.trainer import Trainer
 from swarm.dht import node
+from swarm.local import processes
 from swarm.manifests.manifest import Manifest
 
 EVAL_BATCHES = 16
@@ -175,6 +176,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train past --samples until every fault has ended (restarted peers serve), then SECONDS more: a run "
         "as short as its faults allow (the samples then differ between runs)",
     )
+    parser.add_argument(
+        "--fork-peers",
+        action="store_true",
+        help="fork the peers from a process that imported them once (swarm/local/forkserver.py): starts and "
+        "restarts without their 5 s of imports. For the tests, which check behaviours; the figures a volunteer "
+        "would see are without it",
+    )
     parser.add_argument("--runs", default="clean,faults", help="which runs, of clean,faults (default both)")
     parser.add_argument(
         "--keep-logs",
@@ -224,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_sigterm()  # a benchmark stopped with SIGTERM still stops its peers
     runtime.setup_logging("WARNING")
     torch.set_num_threads(1)  # the peers need the cores more than the trainers
+    if args.fork_peers:
+        processes.fork_peers_from_a_preloaded_process()
     print(json.dumps(benchmark(args)))
     return 0
 
