@@ -86,12 +86,6 @@ SHARED_SWARMS = ("tests/fuzz_rpc/", "tests/test_attacks_on_one_swarm.py", "tests
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_xdist_auto_num_workers(config):
-    """-n auto: 1.5 workers per core, since a test mostly waits for its peers (pyproject.toml has the figures)."""
-    return max(2, len(os.sched_getaffinity(0)) * 3 // 2)
-
-
-@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadgroup as meant: every test a unit of work of its own, but the tests of an entry of SHARED_SWARMS
     one unit (xdist's LoadGroupScheduling groups by an id suffix that its workers set in a private attribute of
