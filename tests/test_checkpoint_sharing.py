@@ -66,3 +66,15 @@ def test_a_peer_hands_out_the_checkpoint_of_a_stage_it_keeps_and_refuses_others(
             await keeper.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_checkpoint_newer_than_its_record_is_taken_and_one_older_is_refused():
+    """A backup saved since the peer's record (backups every few seconds, records every announce period) is
+    further than announced, and must be taken: refusing it once started a vanished stage afresh, 151 steps lost."""
+    from swarm.server.takeover import sent_what_it_announced
+
+    announced = (0, 91)  # (averaging round, optimizer steps)
+    assert sent_what_it_announced(announced, {"averaging_round": 0, "optimizer_steps": 166})
+    assert sent_what_it_announced(announced, {"averaging_round": 0, "optimizer_steps": 91})
+    assert sent_what_it_announced(announced, {"averaging_round": 1, "optimizer_steps": 3})  # a round later
+    assert not sent_what_it_announced(announced, {"averaging_round": 0, "optimizer_steps": 90})

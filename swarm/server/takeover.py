@@ -41,6 +41,13 @@ def progress(counters: dict[str, int]) -> tuple[int, int]:
     return counters.get("averaging_round", 0), counters.get("optimizer_steps", 0)
 
 
+def sent_what_it_announced(announced: tuple[int, int], sent: dict[str, int]) -> bool:
+    """Whether a checkpoint a peer sent is at least as far as its record said (`announced`: progress()). A peer
+    that saved a newer one since its record (backups every few seconds, records every announce period) sends that,
+    which is better; one that sends less than it announced is refused."""
+    return progress(sent) >= announced
+
+
 async def other_online_peers(view: AnnouncementCache, stage: int, peer_id: str) -> list[Announcement]:
     """Online peers of `stage` other than `peer_id`, as last read from the DHT."""
     return [a for a in online_peers(await view.stage(stage), get_dht_time()) if a.peer_id != peer_id]
@@ -157,17 +164,18 @@ class StateTakeover:
                 items, counters = await download_state(
                     self.p2p, peer_id, self.manifest, stage, shapes, deadline, CHECKPOINT_STALL, from_checkpoint=True
                 )
-                if counters != kept.counters:  # it saved another one since, or it announced what it did not keep
-                    raise CheckpointError(f"it announced {kept.counters} and sent {counters}")
+                if not sent_what_it_announced(kept.progress, counters):
+                    raise CheckpointError(f"it announced {kept.counters} and sent {counters}, which is behind")
                 await server.load_state(items, counters)
             except Exception as e:  # a refusal, a timeout, a state that fails its checks: the next one
                 logger.warning(f"the checkpoint of stage {stage} at peer {peer_id[-8:]} could not be had: {e!r}")
                 continue
-            seconds, behind = time.monotonic() - begin, max(0, last_steps - kept.optimizer_steps)
+            steps = counters.get("optimizer_steps", 0)
+            seconds, behind = time.monotonic() - begin, max(0, last_steps - steps)
             age = (time.time() - kept.saved_at) / 60
             logger.info(
                 f"recovered stage {stage} from the checkpoint of peer {peer_id[-8:]} in {seconds:.1f}s "
-                f"({kept.optimizer_steps} optimizer steps, saved {age:.1f} min ago, {behind} steps behind the "
+                f"({steps} optimizer steps, announced {age:.1f} min ago, {behind} steps behind the "
                 "stage's last announced state)"
             )
             self._report(server, StateSource.CHECKPOINT, peer_id, counters, seconds, reason, behind)
