@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         manifest = load_manifest(args.manifest)
         if args.peers < manifest.num_stages:
             raise SwarmError(f"--peers {args.peers}: the swarm has {manifest.num_stages} stages, each needs a peer")
+        # the peers are forked from one process that imports torch, hivemind and swarm once, started now so that
+        # its imports overlap with the demo's own start (swarm/local/forkserver.py): four fresh interpreters would
+        # each spend 4-5 s of CPU on the same imports
+        processes.fork_peers_from_a_preloaded_process(start_now=True)
         dht = node.start_dht([], node.LOOPBACK)
         node.sign_records(dht, manifest, None)  # it reads the peers' records, writes none
     except SwarmError as e:

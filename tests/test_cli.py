@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -30,8 +31,21 @@ from swarm.local import processes
 pytestmark = pytest.mark.integration
 
 
-def run(module: str, *args: str, timeout: float = 60, stdout_only: bool = False) -> tuple[int, str, float]:
+def run(
+    module: str, *args: str, timeout: float = 60, stdout_only: bool = False, env: dict[str, str] | None = None
+) -> tuple[int, str, float]:
+    """Run a program to its end: its exit status, what it printed and how long it took. swarm-peer starts as the
+    suite's peers do (forked from a process that has imported it, unless SWARM_TEST_FORK_PEERS=0), its stdout and
+    stderr into one log."""
     start = time.monotonic()
+    if module == "peers.swarm_peer" and not stdout_only:
+        with tempfile.TemporaryDirectory(prefix="swarm-cli-") as folder:
+            peer = processes.start_peer(list(args), Path(folder) / "peer.log", env=env)
+            try:
+                code = peer.process.wait(timeout=timeout)
+            finally:
+                processes.kill_peer(peer)
+            return code, peer.output(), time.monotonic() - start
     result = subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=ROOT,
@@ -161,8 +175,9 @@ def test_a_port_in_use_is_named_with_what_to_do(tmp_path):
     assert "choose another port in --host-maddrs" in out and "Traceback" not in out
 
 
-def _peer_with_cache_on_tmpfs(tmp_path, options: str) -> subprocess.CompletedProcess:
-    """swarm-peer run to its end with SWARM_CACHE_DIR on a tmpfs mounted with `options` (skipped without root)."""
+def _peer_with_cache_on_tmpfs(tmp_path, options: str) -> tuple[int, str]:
+    """swarm-peer run to its end with SWARM_CACHE_DIR on a tmpfs mounted with `options` (skipped without root): its
+    exit status and what it printed."""
     disk = tmp_path / "disk"
     disk.mkdir()
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(disk)]).returncode:
@@ -170,35 +185,33 @@ def _peer_with_cache_on_tmpfs(tmp_path, options: str) -> subprocess.CompletedPro
     try:
         path = tmp_path / "m.json"
         path.write_text(json.dumps(tiny_manifest_dict()))
-        env = {**os.environ, "SWARM_CACHE_DIR": str(disk / "cache")}
-        return subprocess.run(
-            [sys.executable, "-m", "peers.swarm_peer", "--join", str(path), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-            cwd=ROOT, capture_output=True, text=True, timeout=90, start_new_session=True, env=env,
-        )  # fmt: skip
+        env = {"SWARM_CACHE_DIR": str(disk / "cache")}
+        code, out, _ = run(
+            "peers.swarm_peer", "--join", str(path), "--host-maddrs", "/ip4/127.0.0.1/tcp/0", timeout=90, env=env
+        )
+        return code, out
     finally:
         subprocess.run(["umount", "-l", str(disk)])
 
 
 def test_a_full_disk_is_named_with_what_to_do(tmp_path):
     """The trainer's dataset cache does not fit in a 256 kB file system."""
-    result = _peer_with_cache_on_tmpfs(tmp_path, "size=256k")
+    code, out = _peer_with_cache_on_tmpfs(tmp_path, "size=256k")
     disk = tmp_path / "disk"
-    out = result.stdout + result.stderr
-    assert result.returncode == 2, out
+    assert code == 2, out
     assert f"swarm-peer: error: the disk is full: the peer writes its dataset's tokens and caches under {disk}" in out
     assert "set SWARM_CACHE_DIR and --checkpoint-dir to a disk with room" in out and "Traceback" not in out
 
 
 def test_a_read_only_cache_is_named_with_what_to_do(tmp_path):
     """The cache folder is on a read-only file system."""
-    result = _peer_with_cache_on_tmpfs(tmp_path, "ro,size=64k")
+    code, out = _peer_with_cache_on_tmpfs(tmp_path, "ro,size=64k")
     disk = tmp_path / "disk"
-    out = result.stdout + result.stderr
-    assert result.returncode == 2, out
-    error = result.stderr.strip()
+    assert code == 2, out
+    error = out.strip().splitlines()[-1]
     assert error.startswith("swarm-peer: error:") and str(disk / "cache") in error, out
     assert "read-only file system" in error.lower() and "SWARM_CACHE_DIR" in error and "Traceback" not in out, out
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert [line for line in out.splitlines() if "error" in line.lower()] == [error], out  # one line, the last
 
 
 KNOWN_START_STOP_FAULTS = {
@@ -304,8 +317,8 @@ def test_demo_trains_and_reports_json_with_its_monitor():
         urllib.request.urlopen(url + "healthz", timeout=5)
 
 
-def _children(pid: int, module: bytes = b"peers.swarm_peer") -> list[int]:
-    """Child processes of `pid` that run `module` (a peer, or swarm-demo's monitor)."""
+def _children(pid: int, module: bytes) -> list[int]:
+    """Child processes of `pid` that run `module` (swarm-demo's monitor)."""
     found = []
     for child, parent, _ in live_processes():
         try:
@@ -316,13 +329,18 @@ def _children(pid: int, module: bytes = b"peers.swarm_peer") -> list[int]:
     return found
 
 
-def _demo_folder(peer: int) -> Path | None:
-    """The demo's folder, where its peers' logs are (peer<k>.log): that of the manifest a peer of it joins."""
-    try:
-        args = Path(f"/proc/{peer}/cmdline").read_bytes().decode().split("\0")
-        return Path(args[args.index("--join") + 1]).parent
-    except (OSError, ValueError, IndexError):
-        return None
+def _demo_peers(pid: int) -> dict[int, Path]:
+    """The demo's peers, by the log their output goes to (peer<k>.log): descendants of the demo, forked from its fork
+    server (swarm/local/forkserver.py), whose command line is the server's."""
+    found = {}
+    for child in processes.peer_processes(pid):
+        try:
+            log = Path(os.readlink(f"/proc/{child}/fd/1"))
+        except OSError:
+            continue
+        if log.name.startswith("peer") and log.suffix == ".log":
+            found[child] = log
+    return found
 
 
 def _serving(folder: Path | None) -> int:
@@ -348,11 +366,11 @@ def test_a_stopped_demo_leaves_no_process_behind(stop):
 
         def started() -> list[int]:
             nonlocal children
-            children = _children(demo.pid) + _children(demo.pid, b"peers.swarm_monitor")
+            children = [*_demo_peers(demo.pid), *_children(demo.pid, b"peers.swarm_monitor")]
             return children if len(children) == 5 else []
 
         wait_until(started, 60, "the demo's 4 peers and its monitor")
-        folder = _demo_folder(children[0])
+        folder = next(iter(_demo_peers(demo.pid).values())).parent
         wait_until(lambda: _serving(folder) == 4, 120, "the demo's 4 peers to serve")
         # the demo's processes but itself: its DHT process and p2pd, and each child with its DHT process and p2pd
 

@@ -13,7 +13,7 @@ peer of the stage is free (swarm.client.pipeline.NO_PEER_WAIT), then sends again
 Prints one JSON line: requests sent, served, busy (and the peer's reasons), other error replies by code and
 exceptions by type (the goal is no error but 'busy'), served per second, p50/p99 latency of served requests
 and of busy replies (which must be prompt), and the memory of the peer's processes (its process group: the
-peer, its DHT and averager processes, its p2pd daemon; and torch_shm_manager, which starts a group of its own),
+peer, its DHT and averager processes, its p2pd daemon),
 the sum of their VmRSS sampled every 0.5 s: before the load, at its peak, and the mean of the first and last
 20% of the run, to show whether it grows. Progress goes to stderr every 10 seconds. The default model is the
 tiny preset's (the demo's, 2 stages); --keep-logs keeps the peer's log.

@@ -11,10 +11,15 @@ The state the lock guards (`_pid`, `_buffer`, `_index`) is per process anyway (f
 starts a new buffer when the pid changes), so it only needs a lock per process: a thread lock, made afresh in each
 forked child so that a fork taken while another thread held it cannot start locked either.
 
-Those shared bytes live in shared memory that torch hands out through a helper process, torch_shm_manager, which it
-starts at the first use, in the caller's process group. A terminal's Ctrl-C reaches the whole group: the manager
-dies, and the program's next future waits for it forever (seen: a peer stopped by Ctrl-C during its start hung
-there). `start_memory_manager_deaf_to_terminal` starts it with the terminal's signals ignored, which it keeps.
+Those shared bytes live in torch's shared memory. hivemind sets torch's "file_system" sharing strategy, under which
+a helper process, torch_shm_manager, hands the memory out: one more process per peer, started in the caller's
+process group (a terminal's Ctrl-C killed it, and the program's next future waited for it forever), which at the
+peer's exit printed `terminate called after throwing an instance of 'std::system_error'` into the volunteer's
+terminal in about a third of the stops. `install` sets the "file_descriptor" strategy instead (torch's default on
+Linux: the memory is a file descriptor, inherited by forked children, and no helper process), and raises this
+process's soft limit of open files to its hard limit (one descriptor per shared tensor: the parameters and
+optimizer state an averager shares); HIVEMIND_MEMORY_SHARING_STRATEGY=file_system, set by the user, keeps hivemind's
+choice, and `start_memory_manager_deaf_to_terminal` then starts its manager with the terminal's signals ignored.
 
 hivemind's other family locks (`MPFuture._update_lock`, around each write of a result to the origin process's pipe,
 `MPFuture._initialization_lock` and `_AsyncContextWrapper.EXECUTOR_LOCK`) are shared on purpose within one
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import resource
 import signal
 import threading
 
@@ -49,6 +55,24 @@ def install() -> None:
     _installed = True
     _fresh_lock()
     os.register_at_fork(after_in_child=_fresh_lock)
+    strategy = os.environ.get(SHARING_STRATEGY_ENV, "file_descriptor")
+    if strategy in torch.multiprocessing.get_all_sharing_strategies():
+        torch.multiprocessing.set_sharing_strategy(strategy)
+    if torch.multiprocessing.get_sharing_strategy() == "file_descriptor":
+        _raise_open_file_limit()
+
+
+SHARING_STRATEGY_ENV = "HIVEMIND_MEMORY_SHARING_STRATEGY"  # hivemind's own name for it
+
+
+def _raise_open_file_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            pass  # as it was: enough for a small model's tensors
 
 
 def start_a_new_family() -> None:
@@ -67,6 +91,8 @@ def start_memory_manager_deaf_to_terminal() -> None:
     before the first future."""
     if threading.current_thread() is not threading.main_thread():
         return
+    if torch.multiprocessing.get_sharing_strategy() != "file_system":
+        return  # no manager: the memory is a file descriptor
     ignored = (signal.SIGINT, signal.SIGHUP)
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
     try:

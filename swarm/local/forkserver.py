@@ -55,6 +55,18 @@ class ForkServer:
             raise RuntimeError(f"the fork server ended (exit status {server.wait()})")
         return ForkedProcess(json.loads(answer)["pid"], exit_path, [module, *args])
 
+    def start_in_background(self) -> None:
+        """Start the server now, in a thread: its imports overlap with what the program does before its first peer."""
+
+        def start() -> None:
+            with self.lock:
+                try:
+                    self._running()
+                except (OSError, RuntimeError):
+                    pass  # start_process tries again, and raises
+
+        threading.Thread(target=start, name="fork-server-start", daemon=True).start()
+
     def _running(self) -> subprocess.Popen:
         if self.server is None or self.server.poll() is not None:
             self.server = subprocess.Popen(
@@ -64,6 +76,7 @@ class ForkServer:
                 stdout=subprocess.PIPE,
                 text=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,  # a terminal's Ctrl-C is the program's to handle: the server ends with it
             )
             if self.server.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"the fork server did not start (exit status {self.server.wait()})")

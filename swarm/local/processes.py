@@ -3,8 +3,8 @@ tests): starting a peer, waiting for what it prints (a pattern, a JSON line), re
 and events), which processes belong to it, their memory and socket files, and stopping or killing it whole.
 
 A peer is started in a session of its own, so its process group holds the peer, its hivemind DHT process, its
-averager process and its p2pd daemons; torch_shm_manager (shared memory for the averager) starts a session of
-its own, so a peer's processes are its group plus their descendants outside it. A killed p2pd cannot remove
+averager process and its p2pd daemons, and its DHT process starts a group of its own (swarm/dht/node.py), so a
+peer's processes are its group plus their descendants outside it. A killed p2pd cannot remove
 its socket file in the temporary folder; whoever kills a peer removes them.
 
 With --json a peer prints one JSON object per line: status lines (every --status-every seconds, no "event" key)
@@ -226,13 +226,16 @@ def free_ports(count: int) -> list[int]:
 _forkserver: ForkServer | None = None
 
 
-def fork_peers_from_a_preloaded_process() -> None:
+def fork_peers_from_a_preloaded_process(start_now: bool = False) -> None:
     """From now on, start_peer forks each peer from a process that has imported the peer's modules once
-    (swarm/local/forkserver.py) instead of starting a new interpreter: 3-4 s of CPU less per peer."""
+    (swarm/local/forkserver.py) instead of starting a new interpreter: 3-4 s of CPU less per peer. `start_now`:
+    start that process at once, in the background, rather than at the first peer."""
     global _forkserver
     if _forkserver is None:
         _forkserver = ForkServer(ROOT)
         atexit.register(_forkserver.close)
+        if start_now:
+            _forkserver.start_in_background()
 
 
 def start_peer(
