@@ -2,11 +2,15 @@
 stall, and what does it cost the model?
 
     python -m benchmarks.departures [--samples 4000] [--min-holders 1] [--seed 0] [--runs clean,departures]
+    python -m benchmarks.departures --stages 8 --blocks 3,5,2,1,4 --replace   # blocks with one holder
 
-A spans swarm of 4 one-block stages of the tests' small model on loopback (parameter averaging every 512 samples,
-checkpoints and backups every 5 s), seven movable peers whose --max-memory caps hold 3, 2, 1, 1, 2, 2 and 1 blocks
-(like the swarm of the issue, whose peers held 3, 5, 2, 1 and 4 of 8 blocks; enough that the peers left after
-three departures still hold every block), each with a checkpoint folder of its own, and a trainer-only peer. Two runs of the same
+A spans swarm of --stages one-block stages (4) of the tests' small model on loopback (parameter averaging every 512
+samples, checkpoints and backups every 5 s), movable peers whose --max-memory caps hold --blocks blocks each (3, 2,
+1, 1, 2, 2 and 1: enough that the peers left after three departures still hold every block), each with a
+checkpoint folder of its own, and a trainer-only peer. Where peers hold few more blocks than there are stages
+(8 stages, peers of 3, 5, 2, 1 and 4 blocks, as in a swarm of volunteers with different GPUs), many blocks have a
+single holder; there --replace starts a new peer of the same memory at each departure (a volunteer who leaves is
+followed by another who comes), without which the swarm could not hold every block after three departures. Two runs of the same
 number of samples: "clean", and "departures", in which, once the trainer has done a quarter, a half and three
 quarters of them:
   1. the peer with the most blocks leaves cleanly (a Ctrl-C to its process group, as a terminal sends it);
@@ -57,10 +61,10 @@ SPACING = 30.0  # seconds between two departures, at least
 POLL = 0.2
 
 
-def manifest_dict(min_holders: int) -> dict[str, Any]:
+def manifest_dict(min_holders: int, stages: int = STAGES) -> dict[str, Any]:
     return fast_test_swarm_dict(
-        model={"depth": STAGES},
-        stages={"count": STAGES},
+        model={"depth": stages},
+        stages={"count": stages},
         balancing={"spans": True, "min_holders": min_holders, "check_period": 10.0},
         averaging={"mode": "parameters", "every_samples": 512, "matchmaking_time": 2.0},
     )
@@ -68,8 +72,8 @@ def manifest_dict(min_holders: int) -> dict[str, Any]:
 
 def memory_cap(manifest: Manifest, blocks: int) -> str:
     """A --max-memory under which a CPU peer holds `blocks` stages from any start, and not one more."""
-    cpu = MemorySettings(cuda=False)
-    needed = max(span_cost(manifest, s, min(s + blocks, STAGES), cpu).device_bytes for s in range(STAGES))
+    cpu, stages = MemorySettings(cuda=False), manifest.num_stages
+    needed = max(span_cost(manifest, s, min(s + blocks, stages), cpu).device_bytes for s in range(stages))
     return str(int(needed / (1 - MARGIN)) + 1024)
 
 
@@ -80,9 +84,10 @@ def log(text: str) -> None:
 class Run:
     """One run's swarm: its peers, the trainer's progress over time, and the departures made."""
 
-    def __init__(self, folder: Path, raw: dict[str, Any], seed: int):
-        self.folder, self.raw, self.seed = folder, raw, seed
+    def __init__(self, folder: Path, raw: dict[str, Any], seed: int, blocks: list[int], replace: bool = False):
+        self.folder, self.raw, self.seed, self.blocks, self.replace = folder, raw, seed, list(blocks), replace
         self.manifest = manifest_from_dict(raw)
+        self.stages = self.manifest.num_stages
         self.peers: list[PeerProcess] = []
         self.trainer: PeerProcess | None = None
         self.progress: list[tuple[float, int]] = []  # (time.monotonic(), trainer samples)
@@ -90,20 +95,25 @@ class Run:
         self.stopped: list[PeerProcess] = []
 
     def start(self) -> None:
-        flags = ("--no-trainer", "--status-every", "1", "--checkpoint-every", "5")
-        for number, blocks in enumerate(BLOCKS):
-            path = self.folder / ("manifest.json" if number == 0 else "joined.json")
-            path.write_text(json.dumps(self.raw))
-            args = loopback_args(path) + ["--max-memory", memory_cap(self.manifest, blocks), *flags]
-            args += ["--checkpoint-dir", str(self.folder / f"checkpoints-{number}")]
-            peer = start_peer(args, self.folder / f"peer-{number}.log", cache_dir=self.folder / "cache")
-            self.peers.append(peer)
+        for number, blocks in enumerate(self.blocks):
+            peer = self.start_peer(number, blocks)
             if number == 0:
                 self.raw = {**self.raw, "initial_peers": [peer.maddr(120)]}
             peer.wait_for_json(lambda line: line.get("state") == "online", 180, "serving")
         joined = self.folder / "joined.json"
         args = loopback_args(joined) + ["--trainer-only", "--status-every", "1", "--seed", str(self.seed)]
         self.trainer = start_peer(args, self.folder / "trainer.log", cache_dir=self.folder / "cache")
+
+    def start_peer(self, number: int, blocks: int) -> PeerProcess:
+        """Peer `number`, whose memory holds `blocks` blocks (the first one writes manifest.json, the others join)."""
+        flags = ("--no-trainer", "--status-every", "1", "--checkpoint-every", "5")
+        path = self.folder / ("manifest.json" if number == 0 else "joined.json")
+        path.write_text(json.dumps(self.raw))
+        args = loopback_args(path) + ["--max-memory", memory_cap(self.manifest, blocks), *flags]
+        args += ["--checkpoint-dir", str(self.folder / f"checkpoints-{number}")]
+        peer = start_peer(args, self.folder / f"peer-{number}.log", cache_dir=self.folder / "cache")
+        self.peers.append(peer)
+        return peer
 
     def samples(self) -> int:
         lines = self.trainer.status_lines() if self.trainer is not None else []
@@ -137,7 +147,7 @@ class Run:
 
     def depart(self, kind: str) -> None:
         spans = self.spans()
-        holders = {stage: [n for n, (a, b) in spans.items() if a <= stage < b] for stage in range(STAGES)}
+        holders = {stage: [n for n, (a, b) in spans.items() if a <= stage < b] for stage in range(self.stages)}
         if kind == "most_blocks":
             target = max(spans, key=lambda n: spans[n][1] - spans[n][0])
         elif kind == "stage_0":
@@ -157,6 +167,10 @@ class Run:
             peer.signal_group(signal.SIGINT)
         self.stopped.append(peer)
         self.departures.append(record)
+        if self.replace:  # another volunteer, of the same memory, comes
+            self.start_peer(len(self.peers), self.blocks[target])
+            self.blocks.append(self.blocks[target])
+            record["replaced_by"] = len(self.peers) - 1
 
     def finish_departures(self) -> None:
         """What each departure cost, once the run is over."""
@@ -224,7 +238,7 @@ def longest_stall(points: list[tuple[float, int]], since: float) -> float:
 
 def run(name: str, args: argparse.Namespace, batches) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix=f"swarm-departures-{name}-"))
-    swarm = Run(folder, manifest_dict(args.min_holders), args.seed)
+    swarm = Run(folder, manifest_dict(args.min_holders, args.stages), args.seed, args.blocks, args.replace)
     began = time.monotonic()
     try:
         swarm.start()
@@ -262,9 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-holders", type=int, default=2, help="balancing.min_holders (1: no spare holders)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", default="clean,departures")
+    parser.add_argument("--stages", type=int, default=STAGES, help="one-block stages of the model")
+    parser.add_argument(
+        "--blocks", type=lambda text: [int(n) for n in text.split(",")], default=BLOCKS, help="blocks each peer holds"
+    )
+    parser.add_argument("--replace", action="store_true", help="a new peer of the same memory comes at each departure")
     args = parser.parse_args(argv)
+    if args.stages < 2 or not args.blocks or min(args.blocks) < 1 or max(args.blocks) > args.stages:
+        parser.error("--stages must be at least 2, and each of --blocks between 1 and --stages")
     stop_on_sigterm()
-    batches = eval_batches(manifest_from_dict(manifest_dict(args.min_holders)), 16)
+    batches = eval_batches(manifest_from_dict(manifest_dict(args.min_holders, args.stages)), 16)
     results = {name: run(name, args, batches) for name in args.runs.split(",")}
     summary: dict[str, Any] = {"settings": vars(args), **results}
     if all(results.get(run, {}).get("heldout_loss") for run in ("clean", "departures")):

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import ROOT, tiny_manifest_dict
+from conftest import tiny_manifest_dict
 from peers.swarm_peer import main as peer_main
 from swarm import PROTOCOL_VERSION
 from swarm.errors import ManifestError, TokenizerError
+from swarm.local import processes
 from swarm.manifests.loading import load_manifest
 from swarm.manifests.validation import manifest_from_dict
 
@@ -169,7 +168,7 @@ def test_a_peer_joins_through_another_peers_multiaddr(start_peer, write_manifest
 
 @pytest.mark.integration
 @pytest.mark.slow(30)
-def test_joining_through_a_peer_that_is_not_there_or_not_a_swarm_peer_fails_clearly():
+def test_joining_through_a_peer_that_is_not_there_or_not_a_swarm_peer_fails_clearly(tmp_path):
     from hivemind import DHT
 
     from conftest import LOOPBACK
@@ -190,26 +189,18 @@ def test_joining_through_a_peer_that_is_not_there_or_not_a_swarm_peer_fails_clea
         }
         begin = time.monotonic()
         runs = {
-            join: subprocess.Popen(
-                [sys.executable, "-m", "peers.swarm_peer", "--join", join, "--host-maddrs", LOOPBACK],
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for join in cases
+            join: processes.start_peer(["--join", join, "--host-maddrs", LOOPBACK], tmp_path / f"peer{i}.log")
+            for i, join in enumerate(cases)
         }
         try:
             for join, (message, cause) in cases.items():
-                _, stderr = runs[join].communicate(timeout=90)
-                assert runs[join].returncode == 2, stderr[-2000:]
-                assert message in stderr and "Traceback" not in stderr, stderr[-2000:]
-                assert cause in stderr and "TimeoutError" not in stderr and "did not get ready" not in stderr, stderr
+                code, output = runs[join].process.wait(timeout=90), runs[join].output()
+                assert code == 2, output[-2000:]
+                assert message in output and "Traceback" not in output, output[-2000:]
+                assert cause in output and "TimeoutError" not in output and "did not get ready" not in output, output
         finally:
             for run in runs.values():
-                if run.poll() is None:
-                    run.kill()
-                    run.wait()
+                processes.kill_peer(run)
         # (about 10 s for both on an idle machine; this bound only says that neither hung)
         assert time.monotonic() - begin < 60
     finally:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import functools
 import http.server
 import json
-import subprocess
-import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -16,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, tiny_manifest_dict
+from conftest import tiny_manifest_dict
 from swarm.capacity.budget import usable_budget
 from swarm.capacity.costs import MemorySettings
 from swarm.dataset.corpus import index_sha256, prepare_corpus
 from swarm.dataset.tokenizer import byte_tokenizer
+from swarm.local import processes
 from swarm.local.processes import free_ports
 from swarm.manifests.validation import manifest_from_dict
 from swarm.preflight.checks import Blocks, Check, ExitCode, Status, exit_code, memory_check, no_cuda_reason
@@ -38,19 +38,22 @@ LOOPBACK_ONLY = ("--host-maddrs", "/ip4/127.0.0.1/tcp/0")  # the check's dial-ba
 
 
 def run_check(join: str | Path, *flags: str, timeout: float = 60) -> tuple[int, dict, str, float]:
-    """swarm-peer --check --json as a program: (exit code, its JSON document, its stderr, seconds taken)."""
+    """swarm-peer --check --json as a program, started as the suite's peers are: (exit code, its JSON document, the
+    rest of what it printed, seconds taken)."""
     begin = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "peers.swarm_peer", "--check", "--json", "--join", str(join), *LOOPBACK_ONLY, *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        start_new_session=True,
-    )
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    document = json.loads(result.stdout)
-    return result.returncode, document, result.stderr, time.monotonic() - begin
+    with tempfile.TemporaryDirectory(prefix="swarm-check-") as folder:
+        args = ["--check", "--json", "--join", str(join), *LOOPBACK_ONLY, *flags]
+        peer = processes.start_peer(args, Path(folder) / "check.log")
+        try:
+            code = peer.process.wait(timeout=timeout)
+        finally:
+            processes.kill_peer(peer)
+        output = peer.output()
+    assert "Traceback" not in output, output[-3000:]
+    documents = [line for line in output.splitlines() if line.startswith('{"') and '"checks"' in line]
+    assert len(documents) == 1, output[-3000:]  # --json: the document is one line
+    rest = "\n".join(line for line in output.splitlines() if line not in documents)
+    return code, json.loads(documents[0]), rest, time.monotonic() - begin
 
 
 def statuses(document: dict) -> dict[str, str]:

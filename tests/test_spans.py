@@ -33,13 +33,10 @@ def test_misaligned_spans_train_and_a_peer_leaving_mid_span_is_routed_around(sta
     for peer, span in ((first, [0, 2]), (middle, [1, 4]), (tail, [2, 4])):
         peer.wait_for_json(lambda line, span=span: line.get("span") == span and line.get("state") == "online", 90)
     begun = trainer.wait_for_json(lambda line: (line.get("trainer_samples") or 0) >= 400, 120, "training")
-    # the spans that do not line up all carried microbatches: stage 1 at the first or the middle peer, the last
-    # stages at the middle or the tail peer
-    served = {
-        name: peer.wait_for_json(lambda line: line.get("samples_served", 0) > 0, 60, f"{name} serving")
-        for name, peer in (("first", first), ("middle", middle), ("tail", tail))
-    }
-    assert all(line["samples_served"] > 0 for line in served.values()), served
+    # the spans that do not line up carry microbatches: [0, 2] then [2, 4] (the middle peer's [1, 4] is a route of
+    # as many hops, which the trainer takes only when the others are busy: it carries them once the tail is gone)
+    for name, peer in (("first", first), ("tail", tail)):
+        peer.wait_for_json(lambda line: line.get("samples_served", 0) > 0, 60, f"{name} serving")
     assert "--offload-optimizer has no effect on a CPU peer" in first.output()
 
     # peers average each stage they share, whatever spans they serve: stage 1 (first and middle), stages 2 and 3
@@ -56,6 +53,7 @@ def test_misaligned_spans_train_and_a_peer_leaving_mid_span_is_routed_around(sta
     after = begun["trainer_samples"] + 400
     line = trainer.wait_for_json(lambda line: (line.get("trainer_samples") or 0) >= after, 120, "training on")
     assert line["trainer_loss"] is not None and line["trainer_loss"] < 5.0, line
+    middle.wait_for_json(lambda line: line.get("samples_served", 0) > 0, 30, "the middle peer serving")
     for peer in (first, middle, trainer):
         assert peer.process.poll() is None
 
