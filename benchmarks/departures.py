@@ -10,12 +10,12 @@ samples, checkpoints and backups every 5 s), movable peers whose --max-memory ca
 checkpoint folder of its own, and a trainer-only peer. Where peers hold few more blocks than there are stages
 (8 stages, peers of 3, 5, 2, 1 and 4 blocks, as in a swarm of volunteers with different GPUs), many blocks have a
 single holder; there --replace starts a new peer of the same memory at each departure (a volunteer who leaves is
-followed by another who comes), without which the swarm could not hold every block after three departures. Two runs of the same
-number of samples: "clean", and "departures", in which, once the trainer has done a quarter, a half and three
-quarters of them:
+followed by another who comes), without which the swarm could not hold every block after three departures. Two runs: "departures",
+in which, once the trainer has done a quarter, a half and three quarters of --samples:
   1. the peer with the most blocks leaves cleanly (a Ctrl-C to its process group, as a terminal sends it);
   2. a peer that serves stage 0 leaves cleanly (its only holder, if it has one);
-  3. a peer that is the only holder of a block vanishes (all its processes SIGSTOPped: no goodbye, no handover).
+  3. a peer that is the only holder of a block vanishes (all its processes SIGSTOPped: no goodbye, no handover);
+it goes on past --samples until 30 s after the last departure; then "clean", which trains as many samples.
 With `--min-holders 1` placement balances throughput only (blocks keep a single holder); with the default 2 the
 swarm gives blocks spare holders where memory allows (swarm/balancing/spans.py).
 
@@ -190,7 +190,11 @@ class Run:
             fields = ("stage", "source", "steps_behind", "optimizer_steps", "online_peers", "reason")
             record["states_taken"] = [{k: e.get(k) for k in fields} for e in taken]
             recovered = [e for e in taken if e.get("online_peers") == 0]  # nobody served the stage: a recovery
-            record["steps_rolled_back"] = sum(e["steps_behind"] for e in recovered)
+            # per stage: several peers may recover the same stage from the same checkpoint (one loss, not several)
+            behind: dict[int, int] = {}
+            for e in recovered:
+                behind[e["stage"]] = max(behind.get(e["stage"], 0), e["steps_behind"])
+            record["steps_rolled_back"] = sum(behind.values())
             record["stages_restarted_afresh"] = sorted(
                 {e["stage"] for e in recovered if e["source"] in ("fresh", "pretrained") and e["steps_behind"] > 0}
             )
@@ -236,7 +240,9 @@ def longest_stall(points: list[tuple[float, int]], since: float) -> float:
     return longest
 
 
-def run(name: str, args: argparse.Namespace, batches) -> dict[str, Any]:
+def run(name: str, args: argparse.Namespace, batches, samples: int) -> dict[str, Any]:
+    """One run, to `samples` trainer samples (the departures run: and on until its last departure's window is over),
+    then the trainer is stopped and the final model's held-out loss measured."""
     folder = Path(tempfile.mkdtemp(prefix=f"swarm-departures-{name}-"))
     swarm = Run(folder, manifest_dict(args.min_holders, args.stages), args.seed, args.blocks, args.replace)
     began = time.monotonic()
@@ -244,17 +250,20 @@ def run(name: str, args: argparse.Namespace, batches) -> dict[str, Any]:
         swarm.start()
         if name == "departures":
             for fraction, kind in ((0.25, "most_blocks"), (0.5, "stage_0"), (0.75, "vanish")):
-                swarm.watch_until(int(args.samples * fraction))
+                swarm.watch_until(int(samples * fraction))
                 if swarm.departures:  # the last one's effects are over before the next
                     swarm.watch_for(SPACING)
                 swarm.depart(kind)
-        swarm.watch_until(args.samples)
+            swarm.watch_for(SPACING)  # the last departure's effects are measured too
+        swarm.watch_until(samples)
+        stop_peers([swarm.trainer], grace=20)  # the model stays as it is while it is measured
+        trained = swarm.samples()
         swarm.finish_departures()
         for record in swarm.departures:
             log(json.dumps(record))
         loss = asyncio.run(swarm.heldout(batches))
-        log(f"{name}: held-out loss {loss} after {args.samples} samples")
-        figures = {"heldout_loss": None if loss is None else round(loss, 4)}
+        log(f"{name}: held-out loss {loss} after {trained} samples")
+        figures = {"heldout_loss": None if loss is None else round(loss, 4), "samples": trained}
         return {**figures, "seconds": round(time.monotonic() - began, 1), **_departures(swarm)}
     finally:
         swarm.stop()
@@ -286,7 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--stages must be at least 2, and each of --blocks between 1 and --stages")
     stop_on_sigterm()
     batches = eval_batches(manifest_from_dict(manifest_dict(args.min_holders, args.stages)), 16)
-    results = {name: run(name, args, batches) for name in args.runs.split(",")}
+    results: dict[str, Any] = {}
+    samples = args.samples
+    # the departures run first: the clean one then trains as many samples as it did (it goes on past --samples
+    # until its last departure's effects are over), so that their held-out losses compare like for like
+    for name in sorted(args.runs.split(","), key=lambda name: name != "departures"):
+        results[name] = run(name, args, batches, samples)
+        samples = max(samples, results[name]["samples"])
     summary: dict[str, Any] = {"settings": vars(args), **results}
     if all(results.get(run, {}).get("heldout_loss") for run in ("clean", "departures")):
         summary["heldout_ratio"] = round(results["departures"]["heldout_loss"] / results["clean"]["heldout_loss"], 4)

@@ -128,6 +128,7 @@ class Swarm:
         self.manifest, self.spans, self.rng = manifest, spans, rng
         self.min_gain, self.min_holders = manifest.balancing.min_gain, manifest.balancing.min_holders
         self.states_lost = 0  # (departure, stage) where the stage's last holder with its state left
+        self.last_departure = float("-inf")  # when a serving peer last left
         self.work = stage_work(manifest)
         self.peers: dict[int, SpanPeer] = {}
         self.ready: dict[int, float] = {}  # when a joining (or moving) peer starts serving its span
@@ -175,6 +176,7 @@ class Swarm:
             counts = holders(others, len(self.work))
             if held is not None:
                 self.states_lost += sum(1 for stage in range(held.start, held.end) if counts[stage] == 0)
+                self.last_departure = now
         self.peers.pop(number, None)
         self.moving_from.pop(number, None)
 
@@ -220,6 +222,7 @@ class Swarm:
             longest.append(most)
         bound = upper_bound(candidates, longest, self.work) * self.manifest.model.context_length
         sample = {
+            "since_departure": now - self.last_departure,
             "tokens_per_second": tokens,
             "share_of_bound": tokens / bound if bound > 0 else 0.0,
             "participation": len(self.peers) / max(len(present), 1),
@@ -291,6 +294,13 @@ def run(manifest: Manifest, spans: bool, people: list[Volunteer], hours: float, 
     participation = [s["participation"] for s in samples]
     references = [s["share_of_reference"] for s in samples if "share_of_reference" in s]
     instant = [s["share_of_instant_reference"] for s in samples if "share_of_instant_reference" in s]
+    # samples long enough after a serving peer's departure that its hole could have been filled (a check, a move,
+    # the state download): what placement reaches, apart from the holes departures leave
+    quiet = [
+        s["share_of_reference"]
+        for s in samples
+        if "share_of_reference" in s and s["since_departure"] > JOIN_SECONDS + 2 * manifest.balancing.check_period
+    ]
     return {
         "stages": manifest.num_stages,
         "tokens_per_second_mean": round(sum(tokens) / len(tokens), 1),
@@ -301,6 +311,9 @@ def run(manifest: Manifest, spans: bool, people: list[Volunteer], hours: float, 
         "share_of_reference_mean": round(sum(references) / len(references), 3),
         "share_of_reference_min": round(min(references), 3),
         "share_of_reference_p10": round(sorted(references)[len(references) // 10], 3),
+        "share_of_reference_quiet_mean": round(sum(quiet) / len(quiet), 3) if quiet else None,
+        "share_of_reference_quiet_min": round(min(quiet), 3) if quiet else None,
+        "quiet_samples": f"{len(quiet)} of {len(references)}",
         "share_of_instant_reference_mean": round(sum(instant) / len(instant), 3),
         "share_of_instant_reference_min": round(min(instant), 3),
         "participation_mean": round(sum(participation) / len(participation), 3),

@@ -108,7 +108,12 @@ async def hand_over(
     start_within: float = HANDOVER_START,
 ) -> Handover:
     """Hand the stages of `servers` that only this peer serves to other peers (see the module's docstring); the
-    servers are left leaving (drained), for the caller to shut down."""
+    servers are left leaving (drained), for the caller to shut down.
+
+    The other servers' stages have other online holders when the leave begins, but a holder can move away meanwhile
+    (to take over one of the stages handed over here: it moves off a stage it believed this peer would go on
+    serving): a stage that becomes this peer's alone is handed over too, and the leave ends only after a last look
+    finds none."""
     begin = time.monotonic()
     sole = await sole_stages(servers, view, peer_id)
     if not sole:
@@ -118,19 +123,31 @@ async def hand_over(
     for server in sole:
         await server.leave(DRAIN_TIMEOUT)
     waiting, taken = list(sole), []
+    shared = [server for server in servers if server not in sole]
     last_activity = time.monotonic()
-    while waiting and not hurry.is_set():
+    last_look = False  # the one more look after the last stage was taken
+    while (waiting or last_look) and not hurry.is_set():
         try:
             await asyncio.wait_for(hurry.wait(), timeout=LOOK_PERIOD)
             break
         except TimeoutError:
             pass
         await view.all_stages(force=True)
+        for server in list(shared):
+            if not await other_online_peers(view, server.stage, peer_id):
+                shared.remove(server)
+                stages.append(server.stage)
+                logger.info(f"stage {server.stage} is served by this peer alone now: handing it over too")
+                await server.leave(DRAIN_TIMEOUT)
+                waiting.append(server)
+                last_activity = time.monotonic()
+        last_look = False
         for server in list(waiting):
             if await other_online_peers(view, server.stage, peer_id):
                 waiting.remove(server)
                 taken.append(server.stage)
                 logger.info(f"stage {server.stage} was taken over by another peer")
+                last_look = not waiting and bool(shared)
             elif await _being_taken(view, server, peer_id):
                 last_activity = time.monotonic()
         if time.monotonic() - last_activity > start_within or not await anyone_else(view, peer_id):
