@@ -96,7 +96,7 @@ class Run:
 
     def start(self) -> None:
         for number, blocks in enumerate(self.blocks):
-            peer = self.start_peer(number, blocks)
+            peer = self.add_peer(number, blocks)
             if number == 0:
                 self.raw = {**self.raw, "initial_peers": [peer.maddr(120)]}
             peer.wait_for_json(lambda line: line.get("state") == "online", 180, "serving")
@@ -104,7 +104,7 @@ class Run:
         args = loopback_args(joined) + ["--trainer-only", "--status-every", "1", "--seed", str(self.seed)]
         self.trainer = start_peer(args, self.folder / "trainer.log", cache_dir=self.folder / "cache")
 
-    def start_peer(self, number: int, blocks: int) -> PeerProcess:
+    def add_peer(self, number: int, blocks: int) -> PeerProcess:
         """Peer `number`, whose memory holds `blocks` blocks (the first one writes manifest.json, the others join)."""
         flags = ("--no-trainer", "--status-every", "1", "--checkpoint-every", "5")
         path = self.folder / ("manifest.json" if number == 0 else "joined.json")
@@ -168,7 +168,7 @@ class Run:
         self.stopped.append(peer)
         self.departures.append(record)
         if self.replace:  # another volunteer, of the same memory, comes
-            self.start_peer(len(self.peers), self.blocks[target])
+            self.add_peer(len(self.peers), self.blocks[target])
             self.blocks.append(self.blocks[target])
             record["replaced_by"] = len(self.peers) - 1
 

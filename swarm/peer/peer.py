@@ -351,8 +351,9 @@ class Peer:
             return
         stages = [server.stage for server in sole]
         self.on_event(Event(EventKind.LEAVING, {"stages": stages, "start_within": handover.HANDOVER_START}))
-        # all its stages: one that others serve too now may be left to it alone while it waits (a holder moves)
-        result = await handover.hand_over(servers, self.context.view, self.context.peer_id, hurry)
+        # and its other stages: one that others serve too now may be left to it alone while it waits
+        shared = [server for server in servers if server not in sole]
+        result = await handover.hand_over(sole, shared, self.context.view, self.context.peer_id, hurry)
         fields = {"stages": list(result.sole), "taken": list(result.taken), "left_behind": list(result.left_behind)}
         fields.update(seconds=round(result.seconds, 2), hurried=result.hurried)
         self.on_event(Event(EventKind.HANDED_OVER, fields))

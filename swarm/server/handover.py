@@ -101,21 +101,21 @@ async def _being_taken(view: AnnouncementCache, server: StageServer, peer_id: st
 
 
 async def hand_over(
-    servers: Sequence[StageServer],
+    sole: Sequence[StageServer],
+    shared: Sequence[StageServer],
     view: AnnouncementCache,
     peer_id: str,
     hurry: asyncio.Event,
     start_within: float = HANDOVER_START,
 ) -> Handover:
-    """Hand the stages of `servers` that only this peer serves to other peers (see the module's docstring); the
-    servers are left leaving (drained), for the caller to shut down.
+    """Hand the stages of `sole` (those only this peer serves: `sole_stages`) to other peers (see the module's
+    docstring); they are left leaving (drained), for the caller to shut down.
 
-    The other servers' stages have other online holders when the leave begins, but a holder can move away meanwhile
-    (to take over one of the stages handed over here: it moves off a stage it believed this peer would go on
-    serving): a stage that becomes this peer's alone is handed over too, and the leave ends only after a last look
-    finds none."""
+    The `shared` servers' stages have other online holders when the leave begins, but a holder can move away
+    meanwhile (to take over one of the stages handed over here: it moves off a stage it believed this peer would go
+    on serving): a stage that becomes this peer's alone is handed over too, and the leave ends only after a last
+    look finds none."""
     begin = time.monotonic()
-    sole = await sole_stages(servers, view, peer_id)
     if not sole:
         return Handover((), (), 0.0, False)
     stages = [server.stage for server in sole]
@@ -123,7 +123,7 @@ async def hand_over(
     for server in sole:
         await server.leave(DRAIN_TIMEOUT)
     waiting, taken = list(sole), []
-    shared = [server for server in servers if server not in sole]
+    shared = list(shared)
     last_activity = time.monotonic()
     last_look = False  # the one more look after the last stage was taken
     while (waiting or last_look) and not hurry.is_set():
