@@ -25,11 +25,12 @@ PROTOCOL_VERSION = 7
 import warnings  # noqa: E402
 
 from swarm.averaging import quantization  # noqa: E402 (a 4-bit codec)
-from swarm.dht import hivemind_futures  # noqa: E402 (futures that a killed child cannot block)
+from swarm.dht import hivemind_calls, hivemind_futures  # noqa: E402 (calls and futures that cannot jam)
 from swarm.trust import hivemind_limits  # noqa: E402, F401 (limits on hivemind's reading)
 
 quantization.install()
 hivemind_futures.install()
+hivemind_calls.install()
 
 # hivemind's 8-bit codec (activations by default, and averaging) calls torch.quantize_per_tensor, which torch
 # 2.13 marks deprecated; the warning is for hivemind's authors, not for someone running a peer
