@@ -57,6 +57,9 @@ def test_a_paused_peer_drains_keeps_its_state_and_catches_up_when_it_resumes(sta
     trainer.wait_for_json(lambda s: (s.get("trainer_samples") or 0) >= before + 80, 60, "training on")
     assert last(paused)["samples_served"] == served  # it took no microbatch while paused
     assert last(paused)["state"] == "paused" and paused.process.poll() is None  # still there
+    # the routes may have sent most microbatches to the paused peer before: the other one must go further now
+    other, own_steps = replicas[1], last(paused)["optimizer_steps"]
+    other.wait_for_json(lambda s: s.get("optimizer_steps", 0) > own_steps, 60, "the other replica to go further")
 
     # 2. it resumes: the other replica went further meanwhile, so it takes that state, and serves again
     mark = len(paused.json_lines())
