@@ -20,7 +20,7 @@ from hivemind import DHT
 from multiaddr import Multiaddr
 
 from swarm import lifetime
-from swarm.dht.records import is_loopback, protected_keys, without_loopback_unless_only
+from swarm.dht.records import DHT_CALL_TIMEOUT, is_loopback, protected_keys, without_loopback_unless_only
 from swarm.errors import PeerStartError
 from swarm.manifests.manifest import Manifest
 from swarm.trust.secret import SwarmSecret
@@ -109,6 +109,7 @@ def _start_dht(
             # the peer checked that the identity is free itself (swarm/trust/identity.py), with a clearer error
             identity_path=str(identity_path),
             check_if_identity_free=False,
+            wait_timeout=DHT_CALL_TIMEOUT,  # what records' lifetimes allow for (swarm/dht/records.py)
             **({"authorizer": secret.authorizer()} if secret is not None else {}),
         )
         # hivemind's DHT(start=True) waits for its process with no deadline: one that died starting would hang us

@@ -43,10 +43,15 @@ DHT_TIMEOUT = 10.0  # seconds for one DHT read or write
 
 
 LIFETIME_PERIODS = 3  # an announcement lives this many announce periods: one lost write does not drop a peer
+DHT_CALL_TIMEOUT = 3.0  # hivemind's wait_timeout: a DHT node that vanished holds up each search this long
 
 
 def announcement_lifetime(announce_period: float) -> float:
-    return LIFETIME_PERIODS * announce_period
+    """How long a record lives: LIFETIME_PERIODS periods, and at least two periods and one DHT call's timeout. A
+    store that meets a vanished DHT node (a peer that froze) waits out the timeout before it lands; were the record
+    it replaces gone by then, healthy peers would drop out of every view at once (seen with a 1 s period: every
+    stage read empty for 3 s after one peer froze)."""
+    return max(LIFETIME_PERIODS * announce_period, 2 * announce_period + DHT_CALL_TIMEOUT)
 
 
 def is_loopback(addr: str) -> bool:

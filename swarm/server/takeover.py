@@ -61,6 +61,24 @@ class StateTakeover:
     async def into(self, server: StageServer, reason: str) -> bool:
         """Load the stage's state into `server` (see the module's docstring). True if loaded or started afresh;
         False if the stage has online peers but none could give its state (and there is no checkpoint)."""
+        taken, last_steps = await self._take(server, reason)
+        if taken is None and last_steps > 0:
+            # The stage trained, and nobody seems to have its state: a search made just after a peer vanished can come
+            # back empty (it waits on the vanished DHT node while the records it looks for lapse). Look again, every
+            # announce period for a record lifetime, before the stage loses its training.
+            logger.info(f"found no state of stage {server.stage}, which had trained {last_steps} steps: looking again")
+            period = self.manifest.network.announce_period
+            deadline = time.monotonic() + announcement_lifetime(period)
+            while taken is None and time.monotonic() < deadline:
+                await asyncio.sleep(period)
+                taken, last_steps = await self._take(server, reason)
+        if taken is not None:
+            return taken
+        return await self._start_without_state(server, reason, last_steps)
+
+    async def _take(self, server: StageServer, reason: str) -> tuple[bool | None, int]:
+        """(True if the state of an online peer or of a checkpoint was loaded, False if the stage has online peers
+        but none gave its state, None if no state of it was found; the optimizer steps the stage had come to)."""
         stage = server.stage
         await self.view.all_stages(force=True)
         # how far the stage had come as its peers last announced it: what a checkpoint is behind
@@ -91,12 +109,12 @@ class StateTakeover:
                     f"({counters['optimizer_steps']} optimizer steps) in {seconds:.1f}s"
                 )
                 self._report(server, StateSource.PEER, source.peer_id, counters, seconds, reason)
-                return True
+                return True, last_steps
             except Exception as e:  # a refusal, a timeout or a malformed state: try again, then another
                 logger.warning(f"state download of stage {stage} from {source.peer_id[-8:]} failed: {e!r}")
                 await asyncio.sleep(RETRY_PAUSE)
         if await self._from_checkpoints(server, checkpoint, last_steps, reason):
-            return True
+            return True, last_steps
         if checkpoint is not None:
             try:
                 await server.load_state(checkpoint.items, checkpoint.counters)
@@ -108,11 +126,15 @@ class StateTakeover:
                     "the stage's last announced state)"
                 )
                 self._report(server, StateSource.CHECKPOINT, "", checkpoint.counters, 0.0, reason, behind)
-                return True
+                return True, last_steps
             except Exception as e:  # it passed the file checks but does not fit this stage's model
                 logger.error(f"checkpoint {checkpoint.path} does not fit stage {stage}: {e}; not loaded")
-        if sources:
-            return False
+        return (False if sources else None), last_steps
+
+    async def _start_without_state(self, server: StageServer, reason: str, last_steps: int) -> bool:
+        """No state of the stage anywhere: the pretrained model's parameters if the swarm has one, else its initial
+        parameters (the stage's training so far, `last_steps` optimizer steps, is lost: said loudly)."""
+        stage = server.stage
         if last_steps > 0:
             logger.warning(
                 f"stage {stage} had trained {last_steps} optimizer steps, and no peer has its state or a checkpoint "
