@@ -111,17 +111,16 @@ async def hand_over(
     """Hand the stages of `sole` (those only this peer serves: `sole_stages`) to other peers (see the module's
     docstring); they are left leaving (drained), for the caller to shut down.
 
-    The `shared` servers' stages have other online holders when the leave begins, but a holder can move away
-    meanwhile (to take over one of the stages handed over here: it moves off a stage it believed this peer would go
-    on serving): a stage that becomes this peer's alone is handed over too, and the leave ends only after a last
-    look finds none."""
+    The `shared` servers' stages have other online holders when the leave begins; they announce leaving too, at
+    once, so that no holder moves off one of them counting on this peer to stay. A holder may still have moved away
+    just before (to take over one of the stages handed over here): a stage that becomes this peer's alone is handed
+    over too, and the leave ends only after a last look finds none."""
     begin = time.monotonic()
     if not sole:
         return Handover((), (), 0.0, False)
     stages = [server.stage for server in sole]
     logger.info(f"leaving: handing stages {stages} over to other peers (waiting up to {start_within:.0f}s for one)")
-    for server in sole:
-        await server.leave(DRAIN_TIMEOUT)
+    await asyncio.gather(*(server.leave(DRAIN_TIMEOUT) for server in (*sole, *shared)))
     waiting, taken = list(sole), []
     shared = list(shared)
     last_activity = time.monotonic()
@@ -138,7 +137,6 @@ async def hand_over(
                 shared.remove(server)
                 stages.append(server.stage)
                 logger.info(f"stage {server.stage} is served by this peer alone now: handing it over too")
-                await server.leave(DRAIN_TIMEOUT)
                 waiting.append(server)
                 last_activity = time.monotonic()
         last_look = False

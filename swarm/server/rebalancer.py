@@ -374,17 +374,19 @@ class Rebalancer:
         except BaseException:
             await _shutdown(new)
             raise
-        # the new stages serve before the old ones drain: a microbatch in flight through an old stage may wait for
-        # one of the new ones (its only holder vanished, which is why this peer moves there)
+        # The old stages announce that they stop at once (no peer may count on them any more), but drain while the
+        # new ones start serving: a microbatch in flight through an old stage may wait for one of the new ones (its
+        # only holder vanished, which is why this peer moves there).
+        drains = [asyncio.ensure_future(server.drain(DRAIN_TIMEOUT)) for server in leaving]
         try:
             for server in new:
                 await server.start(self.context.view)
         except Exception as e:
             await _shutdown(new)
-            logger.warning(f"move to {target} called off: serving it failed: {e!r}")
-            return False
+            await asyncio.gather(*drains)
+            raise SwarmError(f"after leaving {self._describe(before)}, serving {target} failed: {e!r}") from e
+        await asyncio.gather(*drains)
         for server in leaving:
-            await server.drain(DRAIN_TIMEOUT)
             await server.shutdown()
         servers = sorted([s for s in self.servers if start <= s.stage < end] + new, key=lambda s: s.stage)
         if self.manifest.balancing.spans:
