@@ -15,7 +15,8 @@ stages to be restarted from an older checkpoint, or afresh. So, for each such st
    again (a second Ctrl-C: `hurry`). Its last checkpoint is saved either way, and other peers can fetch it from
    there while it is back (server/checkpoint_sharing.py).
 
-Stages that other online peers serve too are not waited for: they have the stage's state already.
+Stages that other online peers serve too announce `leaving` at once (no holder may move off one counting on this
+peer), and are not waited for unless they become this peer's alone: the others have their state already.
 """
 
 from __future__ import annotations
