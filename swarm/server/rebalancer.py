@@ -6,10 +6,9 @@ the Rebalancer hands on to each StageServer it starts.
 
 The decisions are swarm/balancing/moves.py's pure functions over the peers' announcements; this module does the I/O
 around them: it reads the DHT, asks server/measurement.py for throughput and server/takeover.py for the stage's
-state, and switches from one StageServer to the next. The order of a join and of a move (a move downloads the
-target's state before it leaves the old stage, and is called off if it cannot): docs/ARCHITECTURE.md,
-"A peer's life", and docs/BALANCING.md, "Which stage a peer serves". A peer serves only stages that fit in its memory (swarm/capacity/): it measures it once,
-at start, and keeps the activations of as many microbatches as fit beside the stage.
+state, and switches from one StageServer to the next. The order of a join and of a move: docs/ARCHITECTURE.md, "A
+peer's life", and docs/BALANCING.md. A peer serves only stages that fit in its memory (swarm/capacity/), measured
+once at start, and keeps the activations of as many microbatches as fit beside the stage.
 
 In a swarm with `balancing.spans`, a peer serves a span: as many consecutive stages as its memory holds, each by
 a StageServer of its own (its worker, step gate, averaging rounds and state), all behind the peer's one set of RPC
@@ -35,14 +34,7 @@ from swarm.capacity.costs import MemorySettings, kept_microbatches, span_lengths
 from swarm.capacity.plan import stage_work
 from swarm.capacity.role import slow_serving_reason
 from swarm.dht.records import PeerState
-from swarm.errors import (
-    BalancingError,
-    CapacityError,
-    ManifestError,
-    PeerStartError,
-    SwarmError,
-    TooSlowToServeError,
-)
+from swarm.errors import BalancingError, CapacityError, ManifestError, PeerStartError, SwarmError, TooSlowToServeError
 from swarm.events import Event, EventKind, OnEvent, ignore
 from swarm.server.announcer import announced_rate
 from swarm.server.context import PeerContext
