@@ -269,11 +269,11 @@ class Rebalancer:
         if self.options.stage is not None:
             return False
         try:
-            held = {load.stage for load in await self._loads(force=False)}
+            loads = await self._loads(force=False)
         except Exception as e:  # a DHT timeout: the regular check will look again
             logger.debug(f"reading the records failed: {e!r}")
             return False
-        return any(stage not in held for stage in range(self.manifest.num_stages))
+        return bool(unheld(loads, range(self.manifest.num_stages)))
 
     async def check(self) -> tuple[int, int] | None:
         """The span (start, end) to move to, if the balance says so at two looks a short random time apart."""
@@ -285,11 +285,8 @@ class Rebalancer:
         target = self._target(loads)
         if target is None:
             return None
-        # a stage nobody holds stalls every route: its movers wait least (a second one that comes too becomes a
-        # spare holder, not a waste)
-        held = {load.stage for load in loads}
-        empty = any(stage not in held for stage in range(*target))
-        await asyncio.sleep(self.rng.uniform(0, EMPTY_STAGE_DELAY if empty else JOIN_DELAY))
+        # a stage nobody holds stalls every route: its movers wait least (a second one becomes its spare holder)
+        await asyncio.sleep(self.rng.uniform(0, EMPTY_STAGE_DELAY if unheld(loads, range(*target)) else JOIN_DELAY))
         return target if self._target(await self._loads()) == target else None
 
     def _target(self, loads: list[PeerLoad]) -> tuple[int, int] | None:
@@ -440,6 +437,12 @@ class Rebalancer:
         if self._shortening is not None:
             self._shortening.cancel()
         await _shutdown(self.servers)
+
+
+def unheld(loads: list[PeerLoad], stages: range) -> list[int]:
+    """The stages among `stages` that no online or joining peer holds in `loads`."""
+    held = {load.stage for load in loads}
+    return [stage for stage in stages if stage not in held]
 
 
 async def _shutdown(servers: list[StageServer]) -> None:
